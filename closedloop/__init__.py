@@ -1,0 +1,8 @@
+"""closedloop: auditable reinforcement learning for LLM agents.
+
+The package is layered (see design.md §2); dependencies point downward only:
+contracts -> envs -> verify -> policy -> rollout -> learn -> evaluate -> cli.
+Importing this package has no side effects and imports no torch.
+"""
+
+__version__ = "0.1.0"

@@ -37,21 +37,45 @@ from closedloop.contracts.trace import (
 )
 
 __all__ = [
-    # actions
-    "PARSER_VERSION", "TOOL_CALL_CLOSE", "TOOL_CALL_OPEN", "Action", "parse_action",
-    # policy boundary
-    "PolicyManifest", "SamplerConfig",
-    # environment state
-    "SnapshotRef", "Transition",
     # termination
-    "CENSORED_CODES", "TERMINAL_CODES", "Termination",
-    # trace records and I/O
-    "Episode", "GroupLease", "TraceWriter", "TrajectoryRecord", "TurnRecord",
-    "assemble_episodes", "load_episodes", "read_trace", "record_from_line", "record_to_line",
-    # hashing
-    "canonical_json", "content_hash", "sha256_hex",
+    "CENSORED_CODES",
+    # actions
+    "PARSER_VERSION",
+    "TERMINAL_CODES",
+    "TOOL_CALL_CLOSE",
+    "TOOL_CALL_OPEN",
+    "Action",
     # errors
-    "ActionParseError", "ClosedloopError", "ConfigError", "ContractError",
-    "MixedPolicyGroupError", "SnapshotMismatchError", "StalePolicyError", "TamperDetected",
+    "ActionParseError",
+    "ClosedloopError",
+    "ConfigError",
+    "ContractError",
+    # trace records and I/O
+    "Episode",
+    "GroupLease",
+    "MixedPolicyGroupError",
+    # policy boundary
+    "PolicyManifest",
+    "SamplerConfig",
+    "SnapshotMismatchError",
+    # environment state
+    "SnapshotRef",
+    "StalePolicyError",
+    "TamperDetected",
+    "Termination",
     "TraceFormatError",
+    "TraceWriter",
+    "TrajectoryRecord",
+    "Transition",
+    "TurnRecord",
+    "assemble_episodes",
+    # hashing
+    "canonical_json",
+    "content_hash",
+    "load_episodes",
+    "parse_action",
+    "read_trace",
+    "record_from_line",
+    "record_to_line",
+    "sha256_hex",
 ]

@@ -17,8 +17,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from closedloop.contracts.errors import ContractError
 from closedloop.contracts.manifest import SamplerConfig
+from closedloop.contracts.schema import FieldError
 from closedloop.contracts.termination import Termination
 
 ActionKindOrInvalid = Literal["tool", "finish", "abstain", "invalid"]
@@ -72,20 +72,20 @@ class TurnRecord:
     def __post_init__(self) -> None:
         n = len(self.action_token_ids)
         if len(self.behavior_logprobs) != n:
-            raise ContractError(f"behavior_logprobs has {len(self.behavior_logprobs)} entries "
-                                f"for {n} action tokens")
+            raise FieldError("behavior_logprobs", f"has {len(self.behavior_logprobs)} entries for "
+                             f"{n} action tokens: not length-aligned")
         if self.raw_model_logprobs is not None and len(self.raw_model_logprobs) != n:
-            raise ContractError("raw_model_logprobs is not length-aligned with action tokens")
+            raise FieldError("raw_model_logprobs", "not length-aligned with action tokens")
         if len(self.action_mask) != n:
-            raise ContractError("action_mask is not length-aligned with action tokens")
+            raise FieldError("action_mask", "not length-aligned with action tokens")
         if any(m not in (0, 1) for m in self.action_mask):
-            raise ContractError("action_mask entries must be 0 or 1")
+            raise FieldError("action_mask", "entries must be 0 or 1")
         if any(not math.isfinite(x) or x > 1e-6 for x in self.behavior_logprobs):
-            raise ContractError("behavior_logprobs must be finite log-probabilities (<= 0)")
+            raise FieldError("behavior_logprobs", "must be finite log-probabilities (<= 0)")
         if self.turn < 0 or self.context_len_before < 0:
-            raise ContractError("turn and context_len_before must be >= 0")
+            raise FieldError("turn", "turn and context_len_before must be >= 0")
         if (self.turn == 0) == self.prompt_is_delta:
-            raise ContractError("prompt_is_delta must be false exactly at turn 0")
+            raise FieldError("prompt_is_delta", "must be false exactly at turn 0")
 
 
 @dataclass(frozen=True)
@@ -127,10 +127,10 @@ class TrajectoryRecord:
 
     def __post_init__(self) -> None:
         if self.termination.is_censored and self.reward is not None:
-            raise ContractError(f"a censored episode ({self.termination.value}) must have "
-                                "reward null, never a score")
+            raise FieldError("reward", f"a censored episode ({self.termination.value}) must "
+                             "have reward null, never a score")
         if self.quarantine_reason is not None and self.reward is not None:
-            raise ContractError("a quarantined episode must have reward null")
+            raise FieldError("reward", "a quarantined episode must have reward null")
 
     @property
     def task_success(self) -> float | None:
@@ -159,7 +159,7 @@ class GroupLease:
 
     def __post_init__(self) -> None:
         if self.group_size < 1:
-            raise ContractError("group_size must be >= 1")
+            raise FieldError("group_size", "must be >= 1")
 
 
 TraceRecord = TurnRecord | TrajectoryRecord | GroupLease

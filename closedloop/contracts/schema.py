@@ -38,7 +38,7 @@ def decode_record(cls: type[T], data: Any, path: str = "") -> T:
     """Build ``cls`` (a dataclass) from a JSON object, validating every field."""
     if not isinstance(data, dict):
         raise FieldError(path or "<record>", f"expected an object, got {type(data).__name__}")
-    hints = _hints(cls)
+    hints = _hints(cls)  # type: ignore[arg-type]
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     for key in data:
         if key not in fields:
@@ -81,7 +81,7 @@ def _join(path: str, name: str | int) -> str:
     return f"{path}.{name}" if path else name
 
 
-def _decode(tp: Any, value: Any, where: str) -> Any:  # noqa: C901 - one branch per type form
+def _decode(tp: Any, value: Any, where: str) -> Any:
     origin = typing.get_origin(tp)
     if tp is Any:
         return value
@@ -119,7 +119,7 @@ def _decode(tp: Any, value: Any, where: str) -> Any:  # noqa: C901 - one branch 
             allowed = [m.value for m in tp]
             raise FieldError(where, f"must be one of {allowed}, got {value!r}") from None
     if dataclasses.is_dataclass(tp):
-        return decode_record(tp, value, where)  # type: ignore[type-var]
+        return decode_record(tp, value, where)  # type: ignore[arg-type]
     return _decode_scalar(tp, value, where)
 
 

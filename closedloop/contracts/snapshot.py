@@ -37,7 +37,8 @@ class Transition:
     state_version: the content hash of the world state after the step.
     step_index: the number of steps consumed so far, this one included.
     error: ``None`` for a valid action, else a short error code (``invalid_action``,
-    ``unknown_tool``, ``tool_not_allowed``, ``bad_arguments``, ``path_denied``, ``command_failed``...).
+    ``unknown_tool``, ``tool_not_allowed``, ``bad_arguments``, ``path_denied``,
+    ``command_failed``...).
     """
 
     observation: str

@@ -7,10 +7,10 @@ advantages by a declared rule and are never scored as reward 0.
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 
 
-class Termination(str, Enum):
+class Termination(StrEnum):
     """Why an episode ended."""
 
     AGENT_FINISH = "agent_finish"

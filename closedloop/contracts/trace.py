@@ -44,7 +44,8 @@ def record_from_line(line: str, lineno: int = 1) -> TraceRecord:
         raise TraceFormatError(lineno, "record",
                                f"must be one of {sorted(RECORD_TYPES)}, got {kind!r}")
     try:
-        return decode_record(RECORD_TYPES[kind], data)  # type: ignore[no-any-return]
+        record: TraceRecord = decode_record(RECORD_TYPES[kind], data)
+        return record
     except FieldError as exc:
         raise TraceFormatError(lineno, exc.field, exc.reason) from None
 

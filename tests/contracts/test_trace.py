@@ -1,0 +1,161 @@
+"""Trace records: round trips, validation, and corrupt lines named by line, field and reason."""
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from closedloop.contracts import (
+    ContractError,
+    PolicyManifest,
+    SamplerConfig,
+    Termination,
+    TraceFormatError,
+    TraceWriter,
+    TrajectoryRecord,
+    TurnRecord,
+    load_episodes,
+    read_trace,
+    record_from_line,
+    record_to_line,
+    sha256_hex,
+)
+
+SAMPLER = SamplerConfig(temperature=1.0, top_p=1.0)
+H = sha256_hex("x")
+
+
+def make_turn(turn=0, prompt=(1, 2, 3), action=(4, 5), context_len=3, version="v0000", **kw):
+    values = dict(
+        run_id="run", episode_id="ep", group_id="g", task_id="json-repair-v1/a/000-x", seed=11,
+        env_version="terminal-repair-v1", base_snapshot_id="snap", behavior_policy_version=version,
+        policy_manifest_hash=H, behavior_weight_checksum=H, generator_build="hf",
+        turn=turn, snapshot_before=None, state_before=H, context_segment_id=0,
+        memory_state_ref=None, compactor_version=None, prompt_token_ids=list(prompt),
+        prompt_is_delta=turn > 0, context_len_before=context_len,
+        action_token_ids=list(action), sampler_config=SAMPLER,
+        behavior_logprobs=[-0.5] * len(action), raw_model_logprobs=[-0.4] * len(action),
+        action_mask=[1] * len(action), action_text="<tool_call>{}</tool_call>",
+        action_kind="tool", parse_error=None, generation_finish="stop", tool_name="read_file",
+        tool_args={"path": "a"}, observation="ok", observation_error=None, state_after=H,
+        reward_components=None, termination_reason=None, continuation_parent=None,
+        timings={"decode_s": 0.1})
+    values.update(kw)
+    return TurnRecord(**values)
+
+
+def make_traj(num_turns=2, termination=Termination.AGENT_FINISH, reward=None, **kw):
+    values = dict(
+        run_id="run", episode_id="ep", group_id="g", sample_index=0,
+        task_id="json-repair-v1/a/000-x", task_family="json-repair-v1", split="train", seed=11,
+        env_version="terminal-repair-v1", base_snapshot_id="snap", behavior_policy_version="v0000",
+        policy_manifest_hash=H, behavior_weight_checksum=H, sampler_config=SAMPLER,
+        num_turns=num_turns, num_action_tokens=4, termination=termination,
+        reward=reward if reward is not None or termination.is_censored else {"task_success": 1.0},
+        verifier_version="verifier-v1", final_state_hash=H, quarantine_reason=None,
+        mixed_policy=False, rollout_started_at="t0", rollout_finished_at="t1")
+    values.update(kw)
+    return TrajectoryRecord(**values)
+
+
+def test_round_trip_turn_and_trajectory():
+    for rec in (make_turn(), make_traj()):
+        assert record_from_line(record_to_line(rec)) == rec
+
+
+def test_episode_threading(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    with TraceWriter(path) as w:
+        w.write(make_turn(0))
+        w.write(make_turn(1, prompt=(6, 7), action=(8,), context_len=7))
+        w.write(make_traj())
+    _, episodes = load_episodes(path)
+    (ep,) = episodes
+    assert ep.context_token_ids(1) == [1, 2, 3, 4, 5, 6, 7]
+
+
+def test_threading_gap_is_rejected(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    with TraceWriter(path) as w:
+        w.write(make_turn(0))
+        w.write(make_turn(1, prompt=(6, 7), action=(8,), context_len=6))  # off by one
+        w.write(make_traj())
+    with pytest.raises(TraceFormatError) as info:
+        load_episodes(path)
+    assert info.value.field == "context_len_before"
+
+
+def test_mixed_versions_in_one_episode_rejected(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    with TraceWriter(path) as w:
+        w.write(make_turn(0))
+        w.write(make_turn(1, prompt=(6,), action=(8,), context_len=6, version="v0001"))
+        w.write(make_traj())
+    with pytest.raises(TraceFormatError, match="mixed behaviour versions"):
+        load_episodes(path)
+
+
+def test_censored_episode_cannot_carry_a_score():
+    with pytest.raises(ContractError, match="censored"):
+        make_traj(termination=Termination.TOOL_TIMEOUT, reward={"task_success": 0.0})
+    assert make_traj(termination=Termination.TOOL_TIMEOUT).reward is None
+
+
+CORRUPTIONS = [
+    (lambda d: d.update(turn="3"), "turn", "expected an int"),
+    (lambda d: d.update(turn=True), "turn", "expected an int"),
+    (lambda d: d.pop("action_token_ids"), "action_token_ids", "missing required field"),
+    (lambda d: d.update(surprise=1), "surprise", "unknown field"),
+    (lambda d: d["sampler_config"].update(top_p=2.0), "sampler_config", "top_p"),
+    (lambda d: d.update(termination_reason="crashed"), "termination_reason", "must be one of"),
+    (lambda d: d.update(action_token_ids=[1, "2"]), "action_token_ids[1]", "expected an int"),
+    (lambda d: d.update(behavior_logprobs=[-0.5]), "behavior_logprobs", "length-aligned"),
+    (lambda d: d.update(record="bogus"), "record", "must be one of"),
+]
+
+
+@pytest.mark.parametrize("mutate, field, reason", CORRUPTIONS)
+def test_corrupt_lines_name_line_field_and_reason(tmp_path, mutate, field, reason):
+    good = record_to_line(make_turn())
+    bad = json.loads(good)
+    mutate(bad)
+    path = tmp_path / "trace.jsonl"
+    path.write_text(good + "\n" + good + "\n" + json.dumps(bad) + "\n")
+    with pytest.raises(TraceFormatError) as info:
+        list(read_trace(path))
+    assert info.value.line == 3
+    assert info.value.field == field
+    assert reason in str(info.value)
+
+
+def test_non_json_and_nan_lines(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"record": "turn", \n')
+    with pytest.raises(TraceFormatError, match="line 1"):
+        list(read_trace(path))
+    line = record_to_line(make_turn()).replace("-0.5", "NaN", 1)
+    with pytest.raises(TraceFormatError, match="not valid JSON"):
+        record_from_line(line, 5)
+
+
+@given(st.lists(st.integers(0, 49151), min_size=1, max_size=20),
+       st.lists(st.floats(-30, 0, allow_nan=False), min_size=1, max_size=20))
+@settings(max_examples=100)
+def test_round_trip_property(ids, lps):
+    n = min(len(ids), len(lps))
+    rec = make_turn(action=ids[:n], behavior_logprobs=lps[:n], raw_model_logprobs=None)
+    assert record_from_line(record_to_line(rec)) == rec
+
+
+def test_manifest_scaffold_hash_ignores_weights_only():
+    m = PolicyManifest("v0000", H, H, H, H, H, "action-parser-v1", "exact-history-v1", None, 1, 8,
+                       64, SAMPLER)
+    m2 = m.with_weights("v0001", sha256_hex("w2"))
+    assert m2.scaffold_hash() == m.scaffold_hash()
+    assert m2.manifest_hash() != m.manifest_hash()
+    drifted = PolicyManifest.from_dict({**m.to_dict(), "system_prompt_hash": sha256_hex("p2")})
+    assert drifted.scaffold_hash() != m.scaffold_hash()
+    assert PolicyManifest.from_dict(m.to_dict()) == m
+    with pytest.raises(ContractError, match="unknown manifest fields"):
+        PolicyManifest.from_dict({**m.to_dict(), "typo": 1})

@@ -1,0 +1,251 @@
+"""One validated run config (design.md §2). The seed's smoke YAML (seed 000 §7) is valid input as
+written, with ``model:`` pointing at the embedded model or a local folder.
+
+Every section is a frozen dataclass; loading is strict: an unknown or misspelled key, a wrong
+type or a value outside its allowed set raises ``ConfigError`` naming the dotted key. The sections
+after ``evaluation`` are closedloop's own (training budget, SFT warm start, run directory) and
+all have defaults, so the seed's YAML needs none of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from closedloop.contracts import ConfigError, SamplerConfig, canonical_json, content_hash
+from closedloop.contracts.schema import FieldError, decode_record, encode_record
+
+
+@dataclass(frozen=True)
+class PolicySection:
+    """Policy-boundary requirements."""
+
+    require_manifest: bool = True
+    lock_scaffold_across_checkpoints: bool = True
+
+
+@dataclass(frozen=True)
+class EnvironmentSection:
+    """Task sets and episode budget."""
+
+    domain: Literal["deterministic_terminal"] = "deterministic_terminal"
+    train_tasks: int = 48
+    heldout_tasks: int = 16
+    max_turns: int = 8
+    reset_each_episode: bool = True
+    snapshot_backend: Literal["canonical_state"] = "canonical_state"
+    base_snapshot_per_task: bool = True
+    branching: bool = False
+
+
+@dataclass(frozen=True)
+class RolloutSection:
+    """Collection semantics (only the synchronous, pinned-policy mode is implemented)."""
+
+    mode: Literal["synchronous"] = "synchronous"
+    group_size: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    pin_policy_for_full_episode: Literal[True] = True
+    max_version_lag: int = 0
+    require_one_behavior_version_per_group: Literal[True] = True
+    in_flight_policy: Literal["finish_old"] = "finish_old"
+    partial_episode_policy: Literal["abort_and_restart"] = "abort_and_restart"
+    require_termination_reason: Literal[True] = True
+    context_compaction: Literal[False] = False
+    max_action_tokens: int = 96
+
+    @property
+    def sampler(self) -> SamplerConfig:
+        """The sampler configuration these keys describe."""
+        return SamplerConfig(self.temperature, self.top_p, self.top_k)
+
+
+@dataclass(frozen=True)
+class ConsistencySection:
+    """Generator/trainer log-prob audit."""
+
+    audit_frozen_checkpoint: bool = True
+    tolerance_source: Literal["bf16_same_engine_baseline", "fixed"] = "bf16_same_engine_baseline"
+    max_abs_tolerance: float = 1e-3
+
+
+@dataclass(frozen=True)
+class WeightSyncSection:
+    """How new weights reach generators."""
+
+    transport: Literal["in_process"] = "in_process"
+    publish: Literal["atomic_at_episode_boundary"] = "atomic_at_episode_boundary"
+    require_all_worker_checksums: bool = True
+    kv_cache_on_update: Literal["invalidate"] = "invalidate"
+
+
+@dataclass(frozen=True)
+class CreditSection:
+    """Credit estimator and loss reduction."""
+
+    estimator: Literal["rloo", "grpo", "dr_grpo"] = "rloo"
+    reduction: Literal["episode_sum", "length_normalized", "token_mean",
+                       "turn_mass_conserving"] = "episode_sum"
+    group_reward_scale: Literal["none", "std"] = "none"
+    censor_rule: Literal["discard_group", "drop_censored"] = "discard_group"
+
+
+@dataclass(frozen=True)
+class UpdateSection:
+    """The objective and the three policies' roles."""
+
+    objective: Literal["reinforce_with_kl", "ppo_clip"] = "reinforce_with_kl"
+    behavior_policy: Literal["rollout_manifest"] = "rollout_manifest"
+    proximal_policy: Literal["behavior_policy"] = "behavior_policy"
+    reference_policy: Literal["initial_sft", "initial"] = "initial_sft"
+    kl_beta: float = 0.02
+    optimizer_steps_per_fresh_batch: int = 1
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    clip_eps: float = 0.2
+
+
+@dataclass(frozen=True)
+class EvaluationSection:
+    """Held-out evaluation protocol."""
+
+    attempts_per_task: int = 3
+    seeds: list[int] = field(default_factory=lambda: [11, 22, 33])
+    retain_suites: list[str] = field(default_factory=lambda: [
+        "base_tool_use", "instruction_following", "safety"])
+    temporal_cutoff: str = "preregistered"
+    template_disjoint: bool = True
+    environment_family_disjoint: bool = True
+    repository_overlap_audit: Literal["exact_and_semantic", "exact"] = "exact_and_semantic"
+    dedup_rule_version: str = "v1"
+
+
+@dataclass(frozen=True)
+class TrainingSection:
+    """closedloop's training budget (not in the seed's YAML)."""
+
+    rl_steps: int = 4
+    groups_per_step: int = 2
+    learning_rate: float = 1e-4
+    lora_rank: int = 8
+    lora_alpha: int = 16
+    seed: int = 0
+    dtype: Literal["float32"] = "float32"
+
+
+@dataclass(frozen=True)
+class SFTSection:
+    """Warm start on the noisy expert's demonstrations."""
+
+    enabled: bool = True
+    demonstrations: int = 48
+    epochs: int = 2
+    learning_rate: float = 1e-3
+    noise_rate: float = 0.15
+    batch_size: int = 8
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """The whole run config."""
+
+    model: str = "embedded"
+    trainable: Literal["lora", "full"] = "lora"
+    policy: PolicySection = field(default_factory=PolicySection)
+    environment: EnvironmentSection = field(default_factory=EnvironmentSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    consistency: ConsistencySection = field(default_factory=ConsistencySection)
+    weight_sync: WeightSyncSection = field(default_factory=WeightSyncSection)
+    credit: CreditSection = field(default_factory=CreditSection)
+    update: UpdateSection = field(default_factory=UpdateSection)
+    evaluation: EvaluationSection = field(default_factory=EvaluationSection)
+    training: TrainingSection = field(default_factory=TrainingSection)
+    sft: SFTSection = field(default_factory=SFTSection)
+    run_dir: str = "runs"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the resolved config as plain JSON values."""
+        out: dict[str, Any] = encode_record(self)
+        return out
+
+    def config_hash(self) -> str:
+        """Return the content hash of the resolved config."""
+        return content_hash(self.to_dict())
+
+    def with_overrides(self, **sections: Any) -> RunConfig:
+        """Return a copy with whole fields replaced (used by presets and tests)."""
+        return replace(self, **sections)
+
+
+_POSITIVE = {
+    "environment.train_tasks", "environment.heldout_tasks", "environment.max_turns",
+    "rollout.group_size", "rollout.max_action_tokens", "evaluation.attempts_per_task",
+    "update.optimizer_steps_per_fresh_batch", "training.groups_per_step", "training.lora_rank",
+    "sft.epochs", "sft.batch_size",
+}
+
+
+def parse_config(data: Any) -> RunConfig:
+    """Validate a parsed YAML/JSON mapping into a ``RunConfig`` (``ConfigError`` names the key)."""
+    try:
+        cfg = decode_record(RunConfig, data)
+    except FieldError as exc:
+        raise ConfigError(exc.field, exc.reason) from None
+    _check_ranges(cfg)
+    return cfg
+
+
+def _check_ranges(cfg: RunConfig) -> None:
+    for key in _POSITIVE:
+        section, name = key.split(".")
+        if getattr(getattr(cfg, section), name) < 1:
+            raise ConfigError(key, "must be >= 1")
+    if cfg.rollout.group_size < 2:
+        raise ConfigError("rollout.group_size", "group-relative credit needs at least 2 siblings")
+    if cfg.rollout.max_version_lag != 0:
+        raise ConfigError("rollout.max_version_lag", "only the synchronous baseline (0) is "
+                          "implemented; asynchrony is a later ablation")
+    if cfg.update.optimizer_steps_per_fresh_batch != 1 and cfg.update.objective != "ppo_clip":
+        raise ConfigError("update.optimizer_steps_per_fresh_batch",
+                          "reusing a batch needs an objective with ratios (ppo_clip)")
+    if cfg.update.kl_beta < 0:
+        raise ConfigError("update.kl_beta", "must be >= 0")
+    if cfg.training.rl_steps < 0:
+        raise ConfigError("training.rl_steps", "must be >= 0")
+    if not 0 <= cfg.sft.noise_rate < 1:
+        raise ConfigError("sft.noise_rate", "must be in [0, 1)")
+    try:
+        cfg.rollout.sampler  # noqa: B018 - validates temperature/top_p/top_k together
+    except Exception as exc:
+        raise ConfigError("rollout", str(exc)) from None
+    _check_model(cfg.model)
+
+
+def _check_model(model: str) -> None:
+    if model == "embedded" or Path(model).expanduser().is_dir():
+        return
+    raise ConfigError("model", f"{model!r} is neither 'embedded' nor a local model folder; "
+                      "nothing is downloaded at run time")
+
+
+def load_config(path: str | Path) -> RunConfig:
+    """Read a YAML config file and validate it."""
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise ConfigError("<file>", f"not valid YAML: {exc}") from None
+    if data is None:
+        data = {}
+    return parse_config(data)
+
+
+def dump_config(cfg: RunConfig) -> str:
+    """Return the resolved config as canonical JSON text (what a run directory keeps)."""
+    return canonical_json(cfg.to_dict())
+
+
+SECTION_NAMES = tuple(f.name for f in fields(RunConfig))

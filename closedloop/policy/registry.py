@@ -1,0 +1,441 @@
+"""The policy registry: immutable staged versions, checksum ACKs and atomic publication.
+
+Layout under ``root``::
+
+    versions/v0003/weights.safetensors   (or adapter.safetensors for a LoRA adapter)
+    versions/v0003/manifest.json         PolicyManifest.to_dict()
+    versions/v0003/checksum              state_dict_checksum of the stored tensors
+    staging/                             temporary directories, renamed into versions/
+    acks/v0003/<worker_id>.json          what each generator worker loaded
+    ACTIVE                               {"version", "checksum", "manifest_hash", ...}
+    publish_log.jsonl                    one line per publication
+
+Publication protocol (seed 000 §6, "Weight publication must be atomic")::
+
+    stage (write to staging, fsync, re-read and verify checksum, rename into versions/)
+    -> workers load the version and ack(worker_id, version, checksum_loaded)
+    -> require_all_worker_checksums(version, workers)
+    -> publish(version): re-verify, then replace ACTIVE atomically (write temp + os.replace)
+
+Episode-level policy leases give ``finish_old`` semantics: :meth:`PolicyRegistry.lease_for_episode`
+returns an immutable :class:`PolicyLease` naming the version active *when the episode starts*;
+a later publication changes what new leases get, never what an open lease holds, and version
+folders are immutable, so the old weights stay loadable until the episode ends.
+
+The tensor checksum (:func:`state_dict_checksum`) must agree byte for byte with
+``closedloop.policy.weights.state_dict_checksum``; a test checks the two against each other.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import re
+import tempfile
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from closedloop.contracts.errors import ClosedloopError
+from closedloop.contracts.hashing import HASH_PREFIX, canonical_json, sha256_hex
+from closedloop.contracts.manifest import PolicyManifest
+
+__all__ = [
+    "ChecksumMismatchError",
+    "MissingAckError",
+    "PolicyLease",
+    "PolicyRegistry",
+    "PublishedVersion",
+    "RegistryError",
+    "StagedVersion",
+    "UnknownVersionError",
+    "WorkerAck",
+    "atomic_write_bytes",
+    "combine_checksums",
+    "fsync_dir",
+    "state_dict_checksum",
+    "version_index",
+    "version_name",
+]
+
+WeightsKind = Literal["full", "adapter"]
+_FILES: dict[str, str] = {"full": "weights.safetensors", "adapter": "adapter.safetensors"}
+_VERSION_RE = re.compile(r"^v(\d{4,})$")
+_WORKER_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+
+
+# ----------------------------------------------------------------------------- errors
+class RegistryError(ClosedloopError):
+    """Base class of registry errors (bad version names, nothing published, ...)."""
+
+
+class UnknownVersionError(RegistryError):
+    """The version is not in the registry (never staged, or staged elsewhere)."""
+
+
+class ChecksumMismatchError(RegistryError):
+    """Stored or loaded weights do not have the checksum the registry recorded."""
+
+
+class MissingAckError(RegistryError):
+    """A worker has not acknowledged loading the version."""
+
+
+# ----------------------------------------------------------------------------- versions
+def version_name(index: int) -> str:
+    """Return the version string of ``index``: ``3 -> "v0003"`` (``"v%04d"``)."""
+    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+        raise RegistryError(f"a version index must be an int >= 0, got {index!r}")
+    return f"v{index:04d}"
+
+
+def version_index(version: str) -> int:
+    """Parse a version string: ``"v0003" -> 3``. Raises ``RegistryError`` on other forms."""
+    match = _VERSION_RE.match(version) if isinstance(version, str) else None
+    if match is None:
+        raise RegistryError(f"policy version {version!r} is not of the form v%04d")
+    return int(match.group(1))
+
+
+# ----------------------------------------------------------------------------- checksums
+def state_dict_checksum(state: Mapping[str, torch.Tensor]) -> str:
+    """Return ``sha256:<hex>`` of a state dict, in canonical order.
+
+    Recipe (identical to ``closedloop.policy.weights``): for each name in sorted order, hash
+    ``utf8(f"{name}\\0{dtype}\\0{tuple(shape)}\\0{nbytes}\\0")`` then the tensor's detached,
+    CPU, C-contiguous bytes; ``dtype`` is ``str(t.dtype)`` without the ``torch.`` prefix.
+    """
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name]
+        flat = t.detach().to("cpu").contiguous().reshape(-1)
+        data = flat.view(torch.uint8).numpy().data
+        dtype = str(t.dtype).removeprefix("torch.")
+        h.update(f"{name}\0{dtype}\0{tuple(t.shape)}\0{data.nbytes}\0".encode())
+        h.update(data)
+    return HASH_PREFIX + h.hexdigest()
+
+
+def combine_checksums(base: str, adapter: str | None) -> str:
+    """Return one policy checksum for base weights plus an optional LoRA adapter.
+
+    ``base`` when there is no adapter, else ``sha256("closedloop-policy-v1\\0" + base + "\\0"
+    + adapter)`` (identical to ``closedloop.policy.weights.combine_checksums``).
+    """
+    if adapter is None:
+        return base
+    return sha256_hex(f"closedloop-policy-v1\0{base}\0{adapter}")
+
+
+# ----------------------------------------------------------------------------- durable files
+def fsync_dir(path: Path) -> None:
+    """Flush a directory entry (a rename or a new file inside it) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durably(path: Path, data: bytes) -> None:
+    """Write ``data`` to a new file and fsync it (not atomic on its own)."""
+    with open(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` atomically: temp file, fsync, ``os.replace``, fsync dir.
+
+    A reader sees either the old content or the new one, never a mix, even after a crash.
+    """
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def tensors_to_bytes(state: Mapping[str, torch.Tensor]) -> bytes:
+    """Serialize a state dict as safetensors (tied tensors are copied, not shared)."""
+    plain = {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
+    return save_safetensors(plain)
+
+
+# ----------------------------------------------------------------------------- records
+@dataclass(frozen=True)
+class StagedVersion:
+    """A verified, immutable version folder that is not necessarily active."""
+
+    version: str
+    checksum: str
+    manifest: PolicyManifest
+    path: Path
+
+
+@dataclass(frozen=True)
+class PublishedVersion:
+    """The version the ACTIVE pointer names. ``checksum`` is ``manifest.weight_checksum``."""
+
+    version: str
+    manifest: PolicyManifest
+    checksum: str
+    path: Path
+    published_at: float
+
+
+@dataclass(frozen=True)
+class PolicyLease:
+    """An episode-level policy lease: the episode samples ``version`` until it ends."""
+
+    lease_id: int
+    version: str
+    checksum: str
+    manifest_hash: str
+
+
+@dataclass(frozen=True)
+class WorkerAck:
+    """A worker's report of the checksum of the weights it loaded for ``version``."""
+
+    worker_id: str
+    version: str
+    checksum_loaded: str
+    at: float
+
+
+# ----------------------------------------------------------------------------- registry
+class PolicyRegistry:
+    """Versions on disk under ``root_dir``; see the module docstring for the protocol.
+
+    One process stages and publishes (the trainer); any number of processes may lease, load
+    and ack. Version folders are never modified after the rename that creates them.
+    """
+
+    def __init__(self, root_dir: str | Path) -> None:
+        self.root = Path(root_dir)
+        for sub in ("versions", "staging", "acks"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._lease_ids = itertools.count(1)
+        self._open: dict[int, PolicyLease] = {}
+
+    # ------------------------------------------------------------------ versions
+    def versions(self) -> list[str]:
+        """Return the staged version names in index order."""
+        names = [p.name for p in (self.root / "versions").iterdir()
+                 if p.is_dir() and _VERSION_RE.match(p.name)]
+        return sorted(names, key=version_index)
+
+    def path(self, version: str) -> Path:
+        """Return the folder of a staged version; ``UnknownVersionError`` if absent."""
+        folder = self.root / "versions" / version_name(version_index(version))
+        if not (folder / "manifest.json").is_file():
+            raise UnknownVersionError(f"policy version {version} is not in {self.root}")
+        return folder
+
+    def manifest(self, version: str) -> PolicyManifest:
+        """Return the manifest of a staged version."""
+        data = json.loads((self.path(version) / "manifest.json").read_text("utf-8"))
+        return PolicyManifest.from_dict(data)
+
+    def stage(self, state_dict: Mapping[str, torch.Tensor], manifest_template: PolicyManifest,
+              *, kind: WeightsKind = "full", version: str | None = None) -> StagedVersion:
+        """Write a new immutable version and return it verified (not yet active).
+
+        ``kind="full"``: ``state_dict`` is the whole model; ``weight_checksum`` is its checksum.
+        ``kind="adapter"``: ``state_dict`` holds LoRA adapter tensors; the template must carry
+        ``base_weight_checksum``; ``adapter_checksum`` is the adapter's checksum and
+        ``weight_checksum`` is ``combine_checksums(base, adapter)`` (one indivisible version).
+        ``version`` defaults to one past the highest staged index (``v0000`` first). The folder
+        is written under ``staging/``, fsynced, re-read and checked, then renamed into place.
+        """
+        if kind not in _FILES:
+            raise RegistryError(f"weights kind must be 'full' or 'adapter', got {kind!r}")
+        with self._lock:
+            existing = self.versions()
+            if version is None:
+                version = version_name(version_index(existing[-1]) + 1 if existing else 0)
+            version = version_name(version_index(version))
+            if version in existing:
+                raise RegistryError(f"policy version {version} already exists (immutable)")
+            payload = tensors_to_bytes(state_dict)
+            checksum = state_dict_checksum(load_safetensors(payload))
+            manifest = _manifest_for(manifest_template, version, checksum, kind)
+            final = self.root / "versions" / version
+            tmp = Path(tempfile.mkdtemp(prefix=f"{version}-", dir=self.root / "staging"))
+            write_durably(tmp / _FILES[kind], payload)
+            write_durably(tmp / "manifest.json", canonical_json(manifest.to_dict()).encode())
+            write_durably(tmp / "checksum", checksum.encode())
+            _verify_folder(tmp, checksum)
+            fsync_dir(tmp)
+            os.rename(tmp, final)
+            fsync_dir(final.parent)
+        return StagedVersion(version, checksum, manifest, final)
+
+    def verify(self, version: str) -> str:
+        """Re-read a version's tensors and check them against its ``checksum`` file and manifest.
+
+        Returns the tensor checksum; raises ``ChecksumMismatchError``.
+        """
+        folder = self.path(version)
+        recorded = (folder / "checksum").read_text("utf-8").strip()
+        _verify_folder(folder, recorded)
+        manifest = self.manifest(version)
+        kind = _kind_of(folder)
+        declared = manifest.weight_checksum if kind == "full" else manifest.adapter_checksum
+        if declared != recorded or manifest.policy_version != folder.name:
+            raise ChecksumMismatchError(f"{version}: manifest does not match its weights")
+        return recorded
+
+    def load_state_dict(self, version: str) -> dict[str, torch.Tensor]:
+        """Load a version's tensors, verifying their checksum (``ChecksumMismatchError``)."""
+        folder = self.path(version)
+        recorded = (folder / "checksum").read_text("utf-8").strip()
+        return _verify_folder(folder, recorded)
+
+    # ------------------------------------------------------------------ publication
+    def publish(self, version: str, *,
+                require_acks_from: Sequence[str] | None = None) -> PublishedVersion:
+        """Atomically make ``version`` the active one, after verifying it (and worker ACKs).
+
+        ``require_acks_from`` lists workers that must have acked this version with the
+        manifest's ``weight_checksum`` first. Open episode leases keep their version.
+        """
+        self.verify(version)
+        if require_acks_from is not None:
+            self.require_all_worker_checksums(version, require_acks_from)
+        manifest = self.manifest(version)
+        now = time.time()
+        pointer = {"version": version, "checksum": manifest.weight_checksum,
+                   "manifest_hash": manifest.manifest_hash(), "published_at": now}
+        atomic_write_bytes(self.root / "ACTIVE", canonical_json(pointer).encode())
+        with open(self.root / "publish_log.jsonl", "ab") as log:
+            log.write(canonical_json(pointer).encode() + b"\n")
+            log.flush()
+            os.fsync(log.fileno())
+        return PublishedVersion(version, manifest, manifest.weight_checksum, self.path(version),
+                                now)
+
+    def active(self) -> PublishedVersion | None:
+        """Return the active version, or ``None`` before the first publication."""
+        try:
+            pointer = json.loads((self.root / "ACTIVE").read_text("utf-8"))
+        except FileNotFoundError:
+            return None
+        version = pointer["version"]
+        manifest = self.manifest(version)
+        if manifest.weight_checksum != pointer["checksum"]:
+            raise ChecksumMismatchError(f"ACTIVE names {version} with another checksum")
+        return PublishedVersion(version, manifest, pointer["checksum"], self.path(version),
+                                float(pointer["published_at"]))
+
+    def history(self) -> list[dict[str, Any]]:
+        """Return every publication in order (the publish log)."""
+        log = self.root / "publish_log.jsonl"
+        if not log.exists():
+            return []
+        return [json.loads(line) for line in log.read_text("utf-8").splitlines() if line]
+
+    # ------------------------------------------------------------------ leases and ACKs
+    def lease_for_episode(self) -> PolicyLease:
+        """Pin the currently active version for one episode (finish_old semantics)."""
+        current = self.active()
+        if current is None:
+            raise RegistryError("no policy version has been published yet")
+        with self._lock:
+            lease = PolicyLease(next(self._lease_ids), current.version, current.checksum,
+                                current.manifest.manifest_hash())
+            self._open[lease.lease_id] = lease
+        return lease
+
+    def release(self, lease: PolicyLease) -> None:
+        """End an episode lease (at the episode boundary)."""
+        with self._lock:
+            self._open.pop(lease.lease_id, None)
+
+    def open_leases(self) -> tuple[PolicyLease, ...]:
+        """Return the leases of this process that are still open, oldest first."""
+        with self._lock:
+            return tuple(self._open[k] for k in sorted(self._open))
+
+    def ack(self, worker_id: str, version: str, checksum_loaded: str) -> WorkerAck:
+        """Record that ``worker_id`` loaded ``version`` and computed ``checksum_loaded``."""
+        if not isinstance(worker_id, str) or not _WORKER_RE.match(worker_id):
+            raise RegistryError(f"worker id {worker_id!r} must match {_WORKER_RE.pattern}")
+        self.path(version)
+        ack = WorkerAck(worker_id, version, checksum_loaded, time.time())
+        folder = self.root / "acks" / version
+        folder.mkdir(exist_ok=True)
+        atomic_write_bytes(folder / f"{worker_id}.json",
+                           canonical_json(asdict(ack)).encode())
+        return ack
+
+    def require_all_worker_checksums(self, version: str,
+                                     workers: Iterable[str]) -> dict[str, WorkerAck]:
+        """Check every worker acked ``version`` with the manifest's ``weight_checksum``.
+
+        Raises ``MissingAckError`` for a worker without an ack and ``ChecksumMismatchError``
+        naming each worker that reported another checksum.
+        """
+        expected = self.manifest(version).weight_checksum
+        acks: dict[str, WorkerAck] = {}
+        for worker in workers:
+            try:
+                data = json.loads((self.root / "acks" / version / f"{worker}.json").read_text())
+            except FileNotFoundError:
+                raise MissingAckError(f"worker {worker!r} has not acked {version}") from None
+            acks[worker] = WorkerAck(**data)
+        bad = sorted(w for w, a in acks.items() if a.checksum_loaded != expected)
+        if bad:
+            raise ChecksumMismatchError(f"{version}: workers {bad} loaded other weights than "
+                                        f"{expected}")
+        return acks
+
+
+# ----------------------------------------------------------------------------- helpers
+def _manifest_for(template: PolicyManifest, version: str, checksum: str,
+                  kind: WeightsKind) -> PolicyManifest:
+    if kind == "full":
+        return template.with_weights(version, checksum)
+    base = template.base_weight_checksum
+    if base is None:
+        raise RegistryError("staging an adapter needs manifest_template.base_weight_checksum")
+    return template.with_weights(version, combine_checksums(base, checksum),
+                                 adapter_checksum=checksum)
+
+
+def _kind_of(folder: Path) -> WeightsKind:
+    present = [k for k, name in _FILES.items() if (folder / name).is_file()]
+    if len(present) != 1:
+        raise ChecksumMismatchError(f"{folder}: expected exactly one weights file")
+    return "full" if present[0] == "full" else "adapter"
+
+
+def _verify_folder(folder: Path, recorded: str) -> dict[str, torch.Tensor]:
+    """Load the folder's tensors and check their checksum equals ``recorded``."""
+    data = (folder / _FILES[_kind_of(folder)]).read_bytes()
+    try:
+        tensors = load_safetensors(data)
+    except Exception as exc:  # safetensors raises its own error type for corrupt headers
+        raise ChecksumMismatchError(f"{folder}: unreadable weights ({exc})") from None
+    actual = state_dict_checksum(tensors)
+    if actual != recorded:
+        raise ChecksumMismatchError(f"{folder}: weights checksum {actual} != {recorded}")
+    return tensors

@@ -1,0 +1,216 @@
+"""``file-repair-v1``: a plain config, list or CSV file has one defect; fix it.
+
+Templates (the last one is held out):
+
+- ``ini-wrong-value``: ``app.ini`` differs from the settings listed in ``README.md`` (protected)
+  in one value. Grader ``ini_equal``: parsed sections and keys equal the expected mapping.
+- ``duplicate-line``: a list file (requirements, hosts, allowlist) has one line twice in a row.
+  Grader ``lines_equal``: the lines (trailing spaces and blank lines at the end ignored) equal
+  the expected lines.
+- ``csv-missing-header``: ``data.csv`` lost its header row; ``README.md`` (protected) names the
+  columns. Grader ``csv_equal``: parsed rows equal the expected rows.
+- ``csv-bad-delimiter``: one row of ``data.csv`` uses ``;`` instead of ``,``. Grader ``csv_equal``.
+
+The visible ``check.py`` checks structure only (the INI parses and has every key; no line is
+repeated; every row has the header's number of fields), so a wrong value passes it.
+"""
+
+from __future__ import annotations
+
+import random
+
+from closedloop.contracts import Action
+from closedloop.envs.tasks.base import TaskDraft, TemplateFamily
+
+FAMILY_ID = "file-repair-v1"
+_SECTIONS: dict[str, dict[str, tuple[str, ...]]] = {
+    "server": {"host": ("0.0.0.0", "127.0.0.1", "localhost"), "port": ("80", "8080", "8443"),
+               "workers": ("2", "4", "8")},
+    "database": {"engine": ("sqlite", "postgres"), "pool": ("5", "10", "20"),
+                 "dbname": ("shop", "ledger", "notes")},
+    "logging": {"level": ("info", "debug", "warning"), "file": ("app.log", "server.log"),
+                "rotate": ("daily", "weekly")},
+}
+_PACKAGES = ("attrs", "click", "idna", "jinja2", "numpy", "pyyaml", "requests", "rich", "six",
+             "tqdm", "urllib3", "wheel")
+_HOSTS = ("api", "cache", "db", "files", "gateway", "mail", "queue", "search", "web", "worker")
+_CSV: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "items": (("name", "qty", "price"), ("apple", "bolt", "cable", "drill", "eraser", "fuse")),
+    "staff": (("name", "team", "age"), ("ana", "ben", "cora", "dan", "eve", "finn")),
+    "cities": (("city", "country", "pop"), ("oslo", "lima", "kyiv", "doha", "rome", "bern")),
+}
+_TEAMS = ("ops", "web", "data", "infra")
+_COUNTRIES = ("no", "pe", "ua", "qa", "it", "ch")
+
+_INI_CHECK = '''import configparser
+import sys
+
+REQUIRED = {required!r}
+parser = configparser.ConfigParser()
+try:
+    parser.read_string(open("app.ini").read())
+except (OSError, configparser.Error) as exc:
+    print(f"FAIL: app.ini does not parse: {{exc}}")
+    sys.exit(1)
+for section, keys in REQUIRED.items():
+    for key in keys:
+        if not parser.has_option(section, key):
+            print(f"FAIL: missing {{section}}.{{key}}")
+            sys.exit(1)
+print("OK")
+'''
+_LINES_CHECK = '''import sys
+
+lines = [x.strip() for x in open({path!r}).read().splitlines() if x.strip()]
+dups = sorted({{x for x in lines if lines.count(x) > 1}})
+if dups:
+    print(f"FAIL: repeated lines: {{dups}}")
+    sys.exit(1)
+print(f"OK: {{len(lines)}} lines")
+'''
+_CSV_CHECK = '''import csv
+import sys
+
+rows = list(csv.reader(open("data.csv", newline="")))
+if not rows:
+    print("FAIL: data.csv is empty")
+    sys.exit(1)
+width = len(rows[0])
+for n, row in enumerate(rows, 1):
+    if len(row) != width:
+        print(f"FAIL: line {{n}} has {{len(row)}} fields, expected {{width}}")
+        sys.exit(1)
+print(f"OK: {{len(rows)}} rows, header {{rows[0]}}")
+'''
+
+
+def _gold(path: str, edit: Action, first_read: str | None = None) -> tuple[Action, ...]:
+    reads = (Action.tool("read_file", path=first_read),) if first_read else ()
+    return (*reads, Action.tool("read_file", path=path), edit,
+            Action.tool("run", command="check"), Action.finish())
+
+
+def _render_ini(conf: dict[str, dict[str, str]]) -> str:
+    return "\n".join(f"[{s}]\n" + "".join(f"{k} = {v}\n" for k, v in kv.items())
+                     for s, kv in conf.items())
+
+
+def ini_wrong_value(rng: random.Random) -> TaskDraft:
+    """One INI value differs from the README's list of required settings."""
+    sections = rng.sample(sorted(_SECTIONS), 2)
+    conf = {s: {k: rng.choice(vals) for k, vals in _SECTIONS[s].items()} for s in sections}
+    section = rng.choice(sections)
+    key = rng.choice(sorted(conf[section]))
+    wrong = rng.choice([v for v in _SECTIONS[section][key] if v != conf[section][key]])
+    broken = {s: {k: (wrong if (s, k) == (section, key) else v) for k, v in kv.items()}
+              for s, kv in conf.items()}
+    readme = "# Service settings\n\napp.ini must contain exactly these values:\n\n" + "".join(
+        f"- {s}.{k} = {v}\n" for s, kv in conf.items() for k, v in kv.items())
+    required = {s: sorted(kv) for s, kv in conf.items()}
+    edit = Action.tool("replace", path="app.ini", old=f"{key} = {wrong}\n",
+                       new=f"{key} = {conf[section][key]}\n")
+    return TaskDraft(
+        objective=("app.ini must match the settings listed in README.md, but one value is wrong. "
+                   "Fix that value in app.ini and change nothing else. Run `check` to test it."),
+        initial_files={"app.ini": _render_ini(broken), "README.md": readme,
+                       "check.py": _INI_CHECK.format(required=required)},
+        commands={"check": ("python3", "check.py")},
+        protected_paths=("README.md",), validator_paths=("check.py",),
+        checks={"kind": "ini_equal", "path": "app.ini", "expected": conf},
+        gold_actions=_gold("app.ini", edit, first_read="README.md"),
+    )
+
+
+def duplicate_line(rng: random.Random) -> TaskDraft:
+    """A list file repeats one line directly after itself."""
+    kind = rng.choice(("requirements", "hosts", "allowlist"))
+    if kind == "requirements":
+        path = "requirements.txt"
+        lines = [f"{p}=={rng.randint(1, 9)}.{rng.randint(0, 20)}.{rng.randint(0, 9)}"
+                 for p in sorted(rng.sample(_PACKAGES, 5))]
+    elif kind == "hosts":
+        path = "hosts.txt"
+        lines = [f"10.0.{rng.randint(0, 9)}.{rng.randint(2, 250)} {h}.internal"
+                 for h in rng.sample(_HOSTS, 5)]
+    else:
+        path = "allowlist.txt"
+        lines = [f"{h}-{rng.randint(10, 99)}" for h in rng.sample(_HOSTS, 5)]
+    k = rng.randrange(len(lines))
+    broken = lines[:k + 1] + lines[k:]
+    edit = Action.tool("replace", path=path, old=f"{lines[k]}\n{lines[k]}\n",
+                       new=f"{lines[k]}\n")
+    return TaskDraft(
+        objective=(f"{path} contains one line twice. Remove the duplicate so each line appears "
+                   "once, keeping the order of the other lines. Run `check` to test it."),
+        initial_files={path: "\n".join(broken) + "\n",
+                       "check.py": _LINES_CHECK.format(path=path)},
+        commands={"check": ("python3", "check.py")},
+        protected_paths=(), validator_paths=("check.py",),
+        checks={"kind": "lines_equal", "path": path, "expected": lines},
+        gold_actions=_gold(path, edit),
+    )
+
+
+def _table(rng: random.Random) -> tuple[list[str], list[list[str]]]:
+    header, keys = _CSV[rng.choice(sorted(_CSV))]
+    rows: list[list[str]] = []
+    for key in rng.sample(keys, 4):
+        if header[1] == "qty":
+            price = f"{rng.randint(1, 99)}.{rng.randint(0, 9)}0"
+            rows.append([key, str(rng.randint(1, 50)), price])
+        elif header[1] == "team":
+            rows.append([key, rng.choice(_TEAMS), str(rng.randint(20, 60))])
+        else:
+            rows.append([key, rng.choice(_COUNTRIES), str(rng.randint(100, 999))])
+    return list(header), rows
+
+
+def _csv_text(rows: list[list[str]]) -> str:
+    return "".join(",".join(r) + "\n" for r in rows)
+
+
+def _csv_draft(objective: str, broken: str, expected: list[list[str]], edit: Action,
+               readme: str | None) -> TaskDraft:
+    files = {"data.csv": broken, "check.py": _CSV_CHECK.format()}
+    if readme is not None:
+        files["README.md"] = readme
+    return TaskDraft(
+        objective=objective, initial_files=files,
+        commands={"check": ("python3", "check.py")},
+        protected_paths=("README.md",) if readme is not None else (),
+        validator_paths=("check.py",),
+        checks={"kind": "csv_equal", "path": "data.csv", "expected": expected},
+        gold_actions=_gold("data.csv", edit),
+    )
+
+
+def csv_missing_header(rng: random.Random) -> TaskDraft:
+    """The header row is missing; README.md names the columns."""
+    header, rows = _table(rng)
+    readme = f"# data.csv\n\nColumns, in order: {', '.join(header)}.\n"
+    objective = (f"data.csv is missing its header row. Add the header {','.join(header)} as the "
+                 "first line and keep the data rows unchanged. Run `check` to test it.")
+    edit = Action.tool("write_file", path="data.csv", content=_csv_text([header, *rows]))
+    return _csv_draft(objective, _csv_text(rows), [header, *rows], edit, readme)
+
+
+def csv_bad_delimiter(rng: random.Random) -> TaskDraft:
+    """One data row is separated by semicolons."""
+    header, rows = _table(rng)
+    k = rng.randrange(len(rows))
+    lines = [",".join(r) for r in (header, *rows)]
+    bad = ";".join(rows[k])
+    broken = "".join((bad if i == k + 1 else line) + "\n" for i, line in enumerate(lines))
+    objective = ("One row of data.csv uses `;` instead of `,` between fields. Fix that row so "
+                 "every row is comma-separated, changing no values. Run `check` to test it.")
+    edit = Action.tool("replace", path="data.csv", old=bad, new=",".join(rows[k]))
+    return _csv_draft(objective, broken, [header, *rows], edit, None)
+
+
+FAMILY = TemplateFamily(
+    family_id=FAMILY_ID,
+    builders={"ini-wrong-value": ini_wrong_value, "duplicate-line": duplicate_line,
+              "csv-missing-header": csv_missing_header, "csv-bad-delimiter": csv_bad_delimiter},
+    heldout_templates=("csv-bad-delimiter",),
+    description="Fix one defect in a plain config, list or CSV file.",
+)

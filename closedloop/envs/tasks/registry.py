@@ -1,0 +1,85 @@
+"""The task registry: versioned family ids, deterministic generation and cheap lookup.
+
+``generate_task(family, template, index)`` is a pure function of its arguments (memoized).
+A task id ``family/template/NNN-hash8`` names its own generator inputs, so ``get_bundle`` parses
+the id, regenerates (from the cache after the first call) and checks that the content hash still
+matches: an id from an older generator version is an ``UnknownTaskError``, never a different task.
+
+``get_spec`` is the public part (for environments); ``get_grader`` is for the verifier only.
+``list_tasks`` lists the default 48/16 task sets of ``closedloop.envs.tasks.split`` (built and
+solvability-filtered once per process).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from functools import lru_cache
+from types import MappingProxyType
+
+from closedloop.envs.task import HiddenGrader, Split, TaskBundle, TaskSpec
+from closedloop.envs.tasks import cli_repair, file_repair, json_repair, schema_repair
+from closedloop.envs.tasks.base import TaskFamily, UnknownTaskError, build_bundle
+
+FAMILIES: Mapping[str, TaskFamily] = MappingProxyType({
+    f.family_id: f for f in (file_repair.FAMILY, json_repair.FAMILY, schema_repair.FAMILY,
+                             cli_repair.FAMILY)
+})
+FAMILY_IDS: tuple[str, ...] = tuple(FAMILIES)
+_ID_RE = re.compile(r"^(?P<family>[a-z0-9-]+)/(?P<template>[a-z0-9-]+)/(?P<index>\d{3,})-"
+                    r"(?P<digest>[0-9a-f]{8})$")
+
+
+def get_family(family_id: str) -> TaskFamily:
+    """Return the family with this versioned id; ``UnknownTaskError`` otherwise."""
+    family = FAMILIES.get(family_id)
+    if family is None:
+        raise UnknownTaskError(f"unknown task family {family_id!r}; known: {list(FAMILIES)}")
+    return family
+
+
+@lru_cache(maxsize=8192)
+def generate_task(family: str, template: str, index: int) -> TaskBundle:
+    """Generate task ``index`` of ``family``/``template`` (deterministic, memoized)."""
+    return build_bundle(get_family(family), template, index)
+
+
+def parse_task_id(task_id: str) -> tuple[str, str, int]:
+    """Split a task id into (family, template, index); ``UnknownTaskError`` if malformed."""
+    m = _ID_RE.match(task_id) if isinstance(task_id, str) else None
+    if m is None:
+        raise UnknownTaskError(f"malformed task id {task_id!r}")
+    return m["family"], m["template"], int(m["index"])
+
+
+def get_bundle(task_id: str) -> TaskBundle:
+    """Return the bundle of ``task_id``; the id's content hash must match the generator's."""
+    family, template, index = parse_task_id(task_id)
+    bundle = generate_task(family, template, index)
+    if bundle.spec.task_id != task_id:
+        raise UnknownTaskError(f"task id {task_id!r} does not match the current generator "
+                               f"(it now yields {bundle.spec.task_id!r})")
+    return bundle
+
+
+def get_spec(task_id: str) -> TaskSpec:
+    """Return the public spec of ``task_id`` (what an environment may materialize)."""
+    return get_bundle(task_id).spec
+
+
+def get_grader(task_id: str) -> HiddenGrader:
+    """Return the hidden grader of ``task_id``. Verifier-side use only."""
+    return get_bundle(task_id).grader
+
+
+def list_tasks(split: Split | None = None) -> tuple[str, ...]:
+    """Return the ids of the default task sets (train then held-out, or one ``split``)."""
+    from closedloop.envs.tasks.split import default_task_sets  # split imports this module
+
+    sets = default_task_sets()
+    if split is None:
+        return tuple(b.spec.task_id for b in (*sets.train, *sets.heldout))
+    if split not in ("train", "heldout"):
+        raise UnknownTaskError(f"split must be 'train' or 'heldout', got {split!r}")
+    chosen = sets.train if split == "train" else sets.heldout
+    return tuple(b.spec.task_id for b in chosen)

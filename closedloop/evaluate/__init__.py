@@ -1,0 +1,25 @@
+"""Evaluation: statistics for held-out reports (pass@k, pass^k, Wilson and bootstrap intervals)."""
+
+from closedloop.evaluate.stats import (
+    BootstrapCI,
+    EmptySampleError,
+    StatsInputError,
+    bootstrap_mean_ci,
+    paired_bootstrap_ci,
+    pass_at_k,
+    pass_hat_k,
+    wilson_interval,
+)
+
+__all__ = [  # noqa: RUF022 -- grouped by module, sorted within each group
+    # statistics (closedloop.evaluate.stats)
+    "BootstrapCI",
+    "bootstrap_mean_ci",
+    "paired_bootstrap_ci",
+    "pass_at_k",
+    "pass_hat_k",
+    "wilson_interval",
+    # errors
+    "EmptySampleError",
+    "StatsInputError",
+]

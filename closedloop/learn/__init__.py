@@ -1,0 +1,104 @@
+"""Update math: credit estimators, loss reducers, KL estimators and objectives.
+
+Pure functions over tensors with named outputs; see each module's docstring for formulas and
+shapes (B episodes, G group members, T token positions, K turns, V vocabulary).
+"""
+
+from closedloop.learn.credit import (
+    CENSOR_RULES,
+    ESTIMATORS,
+    CreditSummary,
+    GroupCredit,
+    GroupTooSmallError,
+    LearnError,
+    NonFiniteRewardError,
+    UnknownNameError,
+    dr_grpo,
+    get_estimator,
+    group_advantages,
+    grpo,
+    p_informative,
+    p_zero_variance,
+    returns_to_go,
+    rloo,
+    summarize_credit,
+)
+from closedloop.learn.kl import (
+    KL_ESTIMATORS,
+    KLPlacementError,
+    KLSpec,
+    exact_kl,
+    get_kl_estimator,
+    kl_k1,
+    kl_k2,
+    kl_k3,
+    kl_reward_penalty,
+    validate_kl_placement,
+)
+from closedloop.learn.objectives import (
+    NonFiniteLogprobError,
+    ObjectiveOutput,
+    normalized_ratio_clip,
+    ppo_clip,
+    reinforce_with_kl,
+    token_entropy,
+)
+from closedloop.learn.reducers import (
+    GROUP_REWARD_SCALES,
+    REDUCERS,
+    MaskError,
+    ReducedLoss,
+    apply_group_reward_scale,
+    get_reducer,
+    reduce_loss,
+    reducer_weights,
+)
+
+__all__ = [  # noqa: RUF022 -- grouped by module, sorted within each group
+    # credit estimators (closedloop.learn.credit)
+    "CENSOR_RULES",
+    "ESTIMATORS",
+    "CreditSummary",
+    "GroupCredit",
+    "dr_grpo",
+    "get_estimator",
+    "group_advantages",
+    "grpo",
+    "p_informative",
+    "p_zero_variance",
+    "returns_to_go",
+    "rloo",
+    "summarize_credit",
+    # loss reducers (closedloop.learn.reducers)
+    "GROUP_REWARD_SCALES",
+    "REDUCERS",
+    "ReducedLoss",
+    "apply_group_reward_scale",
+    "get_reducer",
+    "reduce_loss",
+    "reducer_weights",
+    # KL estimators (closedloop.learn.kl)
+    "KL_ESTIMATORS",
+    "KLSpec",
+    "exact_kl",
+    "get_kl_estimator",
+    "kl_k1",
+    "kl_k2",
+    "kl_k3",
+    "kl_reward_penalty",
+    "validate_kl_placement",
+    # objectives (closedloop.learn.objectives)
+    "ObjectiveOutput",
+    "normalized_ratio_clip",
+    "ppo_clip",
+    "reinforce_with_kl",
+    "token_entropy",
+    # errors
+    "GroupTooSmallError",
+    "KLPlacementError",
+    "LearnError",
+    "MaskError",
+    "NonFiniteLogprobError",
+    "NonFiniteRewardError",
+    "UnknownNameError",
+]

@@ -1,0 +1,446 @@
+"""Objectives: score-function equivalence, reducer weights, toy-logit sign, clip fractions,
+analytic gradient coefficients vs autograd, and a mask-shift mutation check."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, cast
+
+import pytest
+import torch
+
+from closedloop.learn import (
+    REDUCERS,
+    KLSpec,
+    LearnError,
+    MaskError,
+    NonFiniteLogprobError,
+    ObjectiveOutput,
+    UnknownNameError,
+    normalized_ratio_clip,
+    ppo_clip,
+    reducer_weights,
+    reinforce_with_kl,
+    token_entropy,
+)
+from closedloop.learn.objectives import Granularity
+
+F64 = torch.float64
+
+# Episodes with observation gaps (mask 0 between turns), different lengths and one empty row.
+MASK = torch.tensor(
+    [
+        [0, 1, 1, 0, 0, 1, 1, 1],
+        [1, 1, 1, 1, 1, 1, 1, 0],
+        [0, 0, 0, 0, 1, 0, 0, 0],
+        [0, 0, 0, 0, 0, 0, 0, 0],
+        [1, 0, 1, 0, 1, 0, 1, 0],
+    ]
+)
+TURNS = torch.tensor(
+    [
+        [-1, 0, 0, -1, -1, 1, 1, 1],
+        [0, 0, 0, 1, 1, 2, 2, -1],
+        [-1, -1, -1, -1, 0, -1, -1, -1],
+        [-1] * 8,
+        [0, -1, 1, -1, 2, -1, 3, -1],
+    ]
+)
+B, T = MASK.shape
+LENGTHS = MASK.sum(dim=1).to(F64)  # [5, 7, 1, 0, 4]
+
+
+class TinyPolicy:
+    """A linear layer over fixed random features -> logits over a small vocabulary."""
+
+    def __init__(self, seed: int = 0, n_features: int = 5, vocab: int = 7) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.features = torch.randn(B, T, n_features, generator=g, dtype=F64)
+        self.layer = torch.nn.Linear(n_features, vocab, dtype=F64)
+        with torch.no_grad():
+            self.layer.weight.copy_(torch.randn(vocab, n_features, generator=g, dtype=F64))
+            self.layer.bias.copy_(torch.randn(vocab, generator=g, dtype=F64))
+        self.tokens = torch.randint(0, vocab, (B, T), generator=g)
+        self.advantages = torch.randn(B, generator=g, dtype=F64)
+
+    def logits(self) -> torch.Tensor:
+        return self.layer(self.features)
+
+    def logprobs(self) -> torch.Tensor:
+        logp = torch.log_softmax(self.logits(), dim=-1)
+        return logp.gather(-1, self.tokens[..., None]).squeeze(-1)
+
+    def grad(self, loss: torch.Tensor) -> torch.Tensor:
+        grads = torch.autograd.grad(loss, list(self.layer.parameters()))
+        return torch.cat([g.reshape(-1) for g in grads])
+
+
+def _objective_grad(policy: TinyPolicy, mask: torch.Tensor, reducer: str) -> torch.Tensor:
+    new = policy.logprobs()
+    out = reinforce_with_kl(
+        new_logprobs_B_T=new,
+        behavior_logprobs_B_T=new.detach(),
+        advantages_B=policy.advantages,
+        mask_B_T=mask,
+        turn_ids_B_T=TURNS,
+        reducer=reducer,
+    )
+    return policy.grad(out.loss)
+
+
+def _direct_grad(policy: TinyPolicy, token_weight_B: torch.Tensor) -> torch.Tensor:
+    """∇ of -Σ_i c_i A_i Σ_{t∈M_i} log π, written out directly with the true mask."""
+    logp = policy.logprobs() * MASK
+    loss = -(token_weight_B * policy.advantages * logp.sum(dim=1)).sum()
+    return policy.grad(loss)
+
+
+def _safe_inv(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(x > 0, 1.0 / x.clamp(min=1.0), 0.0)
+
+
+def test_episode_sum_is_the_score_function_gradient() -> None:
+    # (1/B) Σ_i A_i Σ_t ∇log π: per-token weight 1/B, independent of any sampled length.
+    policy = TinyPolicy()
+    got = _objective_grad(policy, MASK, "episode_sum")
+    want = _direct_grad(policy, torch.full((B,), 1.0 / B, dtype=F64))
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9)
+
+
+def test_length_normalized_and_token_mean_weight_tokens_differently() -> None:
+    policy = TinyPolicy()
+    episode = _objective_grad(policy, MASK, "episode_sum")
+    length_norm = _objective_grad(policy, MASK, "length_normalized")
+    token_mean = _objective_grad(policy, MASK, "token_mean")
+    # expected per-token weights: 1/(B T_i) and 1/Σ_i T_i
+    torch.testing.assert_close(
+        length_norm, _direct_grad(policy, _safe_inv(LENGTHS) / B), rtol=1e-6, atol=1e-9
+    )
+    torch.testing.assert_close(
+        token_mean,
+        _direct_grad(policy, torch.full((B,), 1.0 / float(LENGTHS.sum()), dtype=F64)),
+        rtol=1e-6,
+        atol=1e-9,
+    )
+    for other in (length_norm, token_mean):
+        assert not torch.allclose(episode, other, rtol=1e-3, atol=1e-6)
+    assert not torch.allclose(length_norm, token_mean, rtol=1e-3, atol=1e-6)
+
+
+def test_mask_shifted_by_one_breaks_the_score_function_check() -> None:
+    # Mutation sanity: the equality above must be able to fail. Shifting the mask one position
+    # right (the classic target-alignment bug) trains the wrong tokens.
+    policy = TinyPolicy()
+    shifted = torch.roll(MASK, shifts=1, dims=1)
+    shifted[:, 0] = 0
+    shifted_turns = torch.where(shifted > 0, 0, -1)
+    new = policy.logprobs()
+    out = reinforce_with_kl(
+        new_logprobs_B_T=new,
+        behavior_logprobs_B_T=new.detach(),
+        advantages_B=policy.advantages,
+        mask_B_T=shifted,
+        turn_ids_B_T=shifted_turns,
+        reducer="episode_sum",
+    )
+    got = policy.grad(out.loss)
+    want = _direct_grad(policy, torch.full((B,), 1.0 / B, dtype=F64))
+    assert not torch.allclose(got, want, rtol=1e-6, atol=1e-9)
+    assert float((got - want).abs().max()) > 1e-3
+
+
+def _objective(name: str) -> Callable[..., ObjectiveOutput]:
+    if name == "reinforce_with_kl":
+        return reinforce_with_kl
+    if name == "ppo_clip":
+        return ppo_clip
+    granularity = cast(Granularity, name.split(":")[1])
+
+    def fn(**kwargs: Any) -> ObjectiveOutput:
+        return normalized_ratio_clip(granularity=granularity, clip_eps=0.2, **kwargs)
+
+    return fn
+
+
+OBJECTIVES = ["reinforce_with_kl", "ppo_clip", "normalized:sequence", "normalized:turn"]
+
+
+@pytest.mark.parametrize("objective", OBJECTIVES)
+@pytest.mark.parametrize("advantage", [1.0, -1.0])
+def test_toy_logit_step_moves_sampled_logprob_with_advantage_sign(
+    objective: str, advantage: float
+) -> None:
+    # One softmax over 5 logits, one sampled action, one SGD step at π_beh = πθ.
+    logits = torch.tensor([0.3, -0.2, 0.1, 0.5, -0.4], dtype=F64, requires_grad=True)
+    action = 2
+    before = float(torch.log_softmax(logits.detach(), -1)[action])
+    logp = torch.log_softmax(logits, -1)[action].reshape(1, 1)
+    out = _objective(objective)(
+        new_logprobs_B_T=logp,
+        behavior_logprobs_B_T=logp.detach(),
+        advantages_B=torch.tensor([advantage], dtype=F64),
+        mask_B_T=torch.ones(1, 1),
+        turn_ids_B_T=torch.zeros(1, 1, dtype=torch.long),
+    )
+    out.loss.backward()
+    assert logits.grad is not None
+    with torch.no_grad():
+        after = float(torch.log_softmax(logits - 0.5 * logits.grad, -1)[action])
+    assert (after - before) * advantage > 0
+
+
+@pytest.mark.parametrize(
+    ("objective", "reducer"),
+    [
+        ("ppo_clip", "episode_sum"),
+        ("ppo_clip", "turn_mass_conserving"),
+        ("normalized:sequence", "episode_sum"),
+        ("normalized:sequence", "length_normalized"),
+        ("normalized:turn", "turn_mass_conserving"),
+    ],
+)
+def test_ratio_objectives_reduce_to_reinforce_on_fresh_data(objective: str, reducer: str) -> None:
+    # At ρ = 1 (π_beh = πθ) and weights constant within each ratio unit, every objective has
+    # REINFORCE's gradient under the same reducer.
+    policy = TinyPolicy(seed=3)
+
+    def run(fn: Callable[..., ObjectiveOutput]) -> torch.Tensor:
+        new = policy.logprobs()
+        out = fn(
+            new_logprobs_B_T=new,
+            behavior_logprobs_B_T=new.detach(),
+            advantages_B=policy.advantages,
+            mask_B_T=MASK,
+            turn_ids_B_T=TURNS,
+            reducer=reducer,
+        )
+        return policy.grad(out.loss)
+
+    got = run(_objective(objective))
+    want = run(reinforce_with_kl)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9)
+
+
+def _perturbed_inputs(seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    new = torch.randn(B, T, generator=g, dtype=F64) - 2.0
+    beh = new + 0.3 * torch.randn(B, T, generator=g, dtype=F64)  # many ratios outside ±20%
+    ref = new + 0.5 * torch.randn(B, T, generator=g, dtype=F64)
+    beh = torch.where(MASK > 0, beh, torch.nan)  # NaN padding off the mask must be harmless
+    return {
+        "new_logprobs_B_T": new.requires_grad_(True),
+        "behavior_logprobs_B_T": beh,
+        "ref_logprobs_B_T": ref,
+        "advantages_B": torch.randn(B, generator=g, dtype=F64),
+        "mask_B_T": MASK,
+        "turn_ids_B_T": TURNS,
+        "success_B": torch.tensor([True, False, True, False, False]),
+    }
+
+
+@pytest.mark.parametrize("objective", OBJECTIVES)
+@pytest.mark.parametrize("reducer", sorted(REDUCERS))
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_analytic_gradient_coefficients_match_autograd(
+    objective: str, reducer: str, estimator: str
+) -> None:
+    inputs = _perturbed_inputs(seed=11)
+    out = _objective(objective)(
+        **inputs, reducer=reducer, kl_spec=KLSpec(estimator=estimator, beta=0.3)
+    )
+    (grad,) = torch.autograd.grad(out.loss, inputs["new_logprobs_B_T"])
+    assert bool(torch.isfinite(grad).all())
+    # the clipped branch must be exercised, or this check could not catch a wrong binding rule
+    assert out.clip_frac_token is None or 0.0 < out.clip_frac_token < 1.0
+    torch.testing.assert_close(out.grad_coef_B_T, grad, rtol=1e-9, atol=1e-12)
+    assert out.grad_mass_total == pytest.approx(float(grad.abs().sum()), rel=1e-9)
+
+
+@pytest.mark.parametrize("objective", OBJECTIVES)
+@pytest.mark.parametrize("reducer", ["token_mean", "turn_mean", "length_normalized"])
+def test_micro_batches_with_full_batch_weights_sum_to_the_full_batch(
+    objective: str, reducer: str
+) -> None:
+    # Gradient accumulation: each micro-batch gets its rows of the full batch's weights.
+    policy = TinyPolicy(seed=4)
+    g = torch.Generator().manual_seed(9)
+    beh = (policy.logprobs() + 0.2 * torch.randn(B, T, generator=g, dtype=F64)).detach()
+    full_w = reducer_weights(reducer, MASK, TURNS, torch.float64)
+
+    def loss(rows: list[int], weights: torch.Tensor | None) -> ObjectiveOutput:
+        return _objective(objective)(
+            new_logprobs_B_T=policy.logprobs()[rows],
+            behavior_logprobs_B_T=beh[rows],
+            advantages_B=policy.advantages[rows],
+            mask_B_T=MASK[rows],
+            turn_ids_B_T=TURNS[rows],
+            reducer=reducer,
+            kl_spec=KLSpec(beta=0.1),
+            ref_logprobs_B_T=beh[rows] - 0.1,
+            weights_B_T=weights,
+        )
+
+    everything = list(range(B))
+    want = policy.grad(loss(everything, None).loss)
+    parts = [[0, 1], [2, 3], [4]]
+    got = torch.stack([policy.grad(loss(rows, full_w[rows]).loss) for rows in parts]).sum(0)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+    # without the full-batch weights the micro-batches normalize by their own counts
+    naive = torch.stack([policy.grad(loss(rows, None).loss) for rows in parts]).sum(0)
+    assert not torch.allclose(naive, want, rtol=1e-6, atol=1e-9)
+    with pytest.raises(MaskError, match="off the mask"):
+        loss(everything, torch.ones(B, T, dtype=F64))
+
+
+def test_kl_in_loss_adds_beta_times_reduced_kl() -> None:
+    inputs = _perturbed_inputs(seed=5)
+    plain = reinforce_with_kl(**inputs, reducer="token_mean")
+    with_kl = reinforce_with_kl(
+        **inputs, reducer="token_mean", kl_spec=KLSpec(estimator="k3", beta=0.02)
+    )
+    assert plain.kl is not None and with_kl.kl is not None
+    assert float(with_kl.loss.detach()) == pytest.approx(plain.pg_loss + 0.02 * with_kl.kl)
+    # monitored but not in the loss when no spec is given (k3 by default)
+    assert float(plain.loss.detach()) == pytest.approx(plain.pg_loss)
+    assert plain.kl_token_mean == pytest.approx(with_kl.kl_token_mean)
+    assert with_kl.kl_spec == KLSpec(estimator="k3", beta=0.02)
+    with pytest.raises(LearnError, match="ref_logprobs"):
+        reinforce_with_kl(**{**inputs, "ref_logprobs_B_T": None}, kl_spec=KLSpec(beta=0.1))
+
+
+def _hand_ratio_batch(
+    ratios: list[list[float]], mask: list[list[int]], turns: list[list[int]], adv: list[float]
+) -> dict[str, Any]:
+    beh = torch.full((len(ratios), len(ratios[0])), -1.0, dtype=F64)
+    new = (beh + torch.tensor(ratios, dtype=F64).log()).requires_grad_(True)
+    return {
+        "new_logprobs_B_T": new,
+        "behavior_logprobs_B_T": beh,
+        "advantages_B": torch.tensor(adv, dtype=F64),
+        "mask_B_T": torch.tensor(mask),
+        "turn_ids_B_T": torch.tensor(turns),
+    }
+
+
+def test_ppo_clip_fractions_on_hand_built_ratios() -> None:
+    # ε = 0.2. A token is clipped when the clip binds (its gradient is zeroed):
+    #   A > 0 and ρ > 1.2, or A < 0 and ρ < 0.8.
+    # row 0 (A=+1): ρ = 1.0, 1.3*, 0.7, 1.1   turns 0,0,1,1  (0.7 is out of range but not binding)
+    # row 1 (A=-1): ρ = 0.7*, 1.3, 1.0, pad   turns 0,1,1,-
+    # row 2 (A=+1): ρ = 1, 1, pad, pad        turns 0,0,-,-
+    # row 3: empty (not counted in the episode denominator)
+    batch = _hand_ratio_batch(
+        ratios=[[1.0, 1.3, 0.7, 1.1], [0.7, 1.3, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0], [1.0] * 4],
+        mask=[[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]],
+        turns=[[0, 0, 1, 1], [0, 1, 1, -1], [0, 0, -1, -1], [-1] * 4],
+        adv=[1.0, -1.0, 1.0, 0.5],
+    )
+    out = ppo_clip(**batch, clip_eps=0.2)
+    assert out.clip_frac_token == pytest.approx(2 / 9)  # 2 clipped of 9 action tokens
+    assert out.clip_frac_turn == pytest.approx(2 / 5)  # (0,0) and (1,0) of 5 turns
+    assert out.clip_frac_episode == pytest.approx(2 / 3)  # rows 0 and 1 of 3 non-empty rows
+    assert out.n_empty_episodes == 1
+    # a wider clip-high releases the A>0 token at 1.3 but keeps the A<0 token at 0.7
+    wide = ppo_clip(**batch, clip_eps=0.2, clip_eps_high=0.4)
+    assert wide.clip_frac_token == pytest.approx(1 / 9)
+    no_turns = ppo_clip(**{**batch, "turn_ids_B_T": None}, clip_eps=0.2)
+    assert no_turns.clip_frac_turn is None
+
+
+def test_normalized_ratio_clip_fractions_on_hand_built_ratios() -> None:
+    # row 0 (A=+1): turn 0 ρ = 1.5, 1.5 -> s = 1.5 (clipped); turn 1 ρ = 1, 1 -> s = 1
+    #               whole sequence: s = sqrt(1.5) = 1.2247 > 1.2 -> clipped
+    # row 1 (A=+1): ρ = 1.5, 1/1.5 in one turn -> s = 1 in both granularities
+    # row 2 (A=-1): turn 0 ρ = .5 -> s=.5 (clipped); turn 1 ρ = 1 -> s = 1; sequence s = .707
+    batch = _hand_ratio_batch(
+        ratios=[[1.5, 1.5, 1.0, 1.0], [1.5, 1 / 1.5, 1.0, 1.0], [0.5, 1.0, 1.0, 1.0]],
+        mask=[[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 0, 0]],
+        turns=[[0, 0, 1, 1], [0, 0, -1, -1], [0, 1, -1, -1]],
+        adv=[1.0, 1.0, -1.0],
+    )
+    turn = normalized_ratio_clip(**batch, granularity="turn", clip_eps=0.2)
+    assert turn.clip_frac_token == pytest.approx(3 / 8)  # (0,0) has 2 tokens, (2,0) has 1
+    assert turn.clip_frac_turn == pytest.approx(2 / 5)
+    assert turn.clip_frac_episode == pytest.approx(2 / 3)
+    seq = normalized_ratio_clip(**batch, granularity="sequence", clip_eps=0.2)
+    assert seq.clip_frac_token == pytest.approx(6 / 8)  # rows 0 and 2: 4 + 2 tokens
+    assert seq.clip_frac_turn == pytest.approx(4 / 5)
+    assert seq.clip_frac_episode == pytest.approx(2 / 3)
+    assert seq.objective == "normalized_ratio_clip[sequence]"
+    with pytest.raises(MaskError, match="turn_ids"):
+        normalized_ratio_clip(**{**batch, "turn_ids_B_T": None}, granularity="turn", clip_eps=0.2)
+    with pytest.raises(LearnError, match="granularity"):
+        normalized_ratio_clip(**batch, granularity="token", clip_eps=0.2)  # type: ignore[arg-type]
+
+
+def test_reinforce_reports_unit_ratios_on_fresh_data_and_no_clipping() -> None:
+    policy = TinyPolicy()
+    new = policy.logprobs()
+    out = reinforce_with_kl(
+        new_logprobs_B_T=new,
+        behavior_logprobs_B_T=new.detach(),
+        advantages_B=policy.advantages,
+        mask_B_T=MASK,
+        entropy_B_T=token_entropy(policy.logits()),
+    )
+    assert out.ratio_p50 == out.ratio_p95 == out.ratio_p99 == out.ratio_max == 1.0
+    assert out.abs_log_ratio_mean == 0.0
+    assert out.clip_frac_token is None and out.clip_frac_episode is None
+    assert out.entropy is not None and 0.0 < out.entropy < torch.log(torch.tensor(7.0)).item()
+    metrics = out.metrics()
+    assert metrics["ratio/ratio_p99"] == 1.0 and metrics["clip/clip_frac_token"] is None
+    assert metrics["batch/n_action_tokens"] == int(MASK.sum())
+
+
+def test_gradient_mass_split_hand_worked() -> None:
+    # episode_sum, A = [1, -1], T = [2, 4]: |c| = |A|/B = .5 per token -> masses 1 and 2.
+    new = torch.zeros(2, 4, dtype=F64, requires_grad=True)
+    kwargs: dict[str, Any] = {
+        "new_logprobs_B_T": new,
+        "behavior_logprobs_B_T": new.detach(),
+        "advantages_B": torch.tensor([1.0, -1.0], dtype=F64),
+        "mask_B_T": torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]]),
+        "success_B": torch.tensor([True, False]),
+        "length_band_edges": (2, 3),  # short: T <= 2, medium: 2 < T <= 3, long: T > 3
+    }
+    out = reinforce_with_kl(**kwargs, reducer="episode_sum")
+    assert out.grad_mass_total == pytest.approx(3.0)
+    assert (out.grad_mass_success, out.grad_mass_failure) == pytest.approx((1 / 3, 2 / 3))
+    assert (out.grad_mass_short, out.grad_mass_medium, out.grad_mass_long) == pytest.approx(
+        (1 / 3, 0.0, 2 / 3)
+    )
+    # length_normalized gives each episode equal mass: .5 and .5
+    norm = reinforce_with_kl(**kwargs, reducer="length_normalized")
+    assert (norm.grad_mass_success, norm.grad_mass_failure) == pytest.approx((0.5, 0.5))
+    no_labels = reinforce_with_kl(**{**kwargs, "success_B": None})
+    assert no_labels.grad_mass_success is None
+
+
+@pytest.mark.parametrize("objective", OBJECTIVES)
+def test_all_empty_mask_gives_zero_loss_and_none_metrics(objective: str) -> None:
+    new = torch.full((2, 3), torch.nan, dtype=F64, requires_grad=True)
+    out = _objective(objective)(
+        new_logprobs_B_T=new,
+        behavior_logprobs_B_T=torch.full((2, 3), torch.nan),
+        advantages_B=torch.ones(2, dtype=F64),
+        mask_B_T=torch.zeros(2, 3),
+        turn_ids_B_T=torch.full((2, 3), -1),
+    )
+    (grad,) = torch.autograd.grad(out.loss, new)
+    assert float(out.loss.detach()) == 0.0 and float(grad.abs().sum()) == 0.0
+    assert out.ratio_p50 is None and out.grad_mass_short is None
+    assert out.n_empty_episodes == 2 and out.n_action_tokens == 0
+
+
+def test_input_validation() -> None:
+    inputs = _perturbed_inputs(seed=2)
+    bad_beh = inputs["behavior_logprobs_B_T"].clone()
+    bad_beh[0, 1] = float("-inf")  # on the mask
+    with pytest.raises(NonFiniteLogprobError):
+        ppo_clip(**{**inputs, "behavior_logprobs_B_T": bad_beh})
+    with pytest.raises(MaskError):
+        ppo_clip(**{**inputs, "advantages_B": torch.ones(B + 1)})
+    with pytest.raises(UnknownNameError):
+        ppo_clip(**inputs, reducer="seq_mean_token_mean")
+    with pytest.raises(LearnError):
+        ppo_clip(**inputs, clip_eps=1.5)

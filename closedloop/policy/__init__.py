@@ -1,0 +1,62 @@
+"""The policy layer: model loading, chat rendering on token ids, generation, log-probs, LoRA.
+
+Importing this package loads no model and imports no ``transformers``/``peft`` (they are imported
+inside the functions that need them).
+"""
+
+from closedloop.policy.chat import (
+    CHATML_TOOLS,
+    ChatMessage,
+    ChatMLToolTemplate,
+    ChatRenderer,
+    ChatTemplateError,
+    SampleTurn,
+    TemplateReport,
+    check_append_only,
+)
+from closedloop.policy.generator import (
+    FinishReason,
+    Generation,
+    GenerationError,
+    Generator,
+    StopMatcher,
+    default_stop_token_ids,
+)
+from closedloop.policy.hf_generator import GeneratorStats, HFGenerator, SessionId
+from closedloop.policy.logprobs import LogprobInputError, sequence_logprobs
+from closedloop.policy.lora import (
+    AdapterError,
+    PolicyChecksum,
+    attach_lora,
+    load_adapter,
+    policy_weight_checksum,
+    save_adapter,
+)
+from closedloop.policy.model_loader import (
+    LoadedModel,
+    ModelLoadError,
+    embedded_gguf_path,
+    load_model,
+    load_tokenizer,
+    tokenizer_revision,
+)
+from closedloop.policy.sampling import sample, sample_step, transform_logits
+from closedloop.policy.tiny_model import build_tiny_model, load_embedded_tokenizer
+from closedloop.policy.weights import combine_checksums, weights_checksum
+
+__all__ = [  # noqa: RUF022 -- grouped by topic, sorted within each group
+    # loading
+    "LoadedModel", "ModelLoadError", "build_tiny_model", "embedded_gguf_path",
+    "load_embedded_tokenizer", "load_model", "load_tokenizer", "tokenizer_revision",
+    # chat rendering on token ids
+    "CHATML_TOOLS", "ChatMLToolTemplate", "ChatMessage", "ChatRenderer", "ChatTemplateError",
+    "SampleTurn", "TemplateReport", "check_append_only",
+    # generation
+    "FinishReason", "Generation", "GenerationError", "Generator", "GeneratorStats",
+    "HFGenerator", "SessionId", "StopMatcher", "default_stop_token_ids",
+    # sampling and log-probs
+    "LogprobInputError", "sample", "sample_step", "sequence_logprobs", "transform_logits",
+    # weights identity and LoRA
+    "AdapterError", "PolicyChecksum", "attach_lora", "combine_checksums", "load_adapter",
+    "policy_weight_checksum", "save_adapter", "weights_checksum",
+]

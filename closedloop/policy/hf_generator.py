@@ -1,0 +1,295 @@
+"""Batched generation with a transformers causal LM and per-session KV-cache reuse.
+
+A *session* is one growing context (one episode of one rollout). Its ids are threaded:
+``open_sessions([prompt])`` -> ``generate_batch`` appends the action ids -> ``extend`` appends the
+observation delta ids -> ``generate_batch`` ... Each session keeps the keys/values of its already
+processed ids (``[1, H_kv, n_cached, D]`` per layer), so a turn prefills only the ids added since
+the last one (seed 004, "prefix caching"); ``reprefill=True`` drops the caches before every
+batch and prefills whole contexts (the no-reuse baseline for benchmarks).
+
+One ``generate_batch`` call steps all its sessions together:
+
+1. prefill: row ``b`` has ``c_b`` cached and ``p_b`` pending ids. The batched cache is
+   ``[pad]*(C-c_b) + cache_b`` and the input ``[pad]*(P-p_b) + pending_b`` (C, P the maxima), so
+   the attention mask is ``0^(C-c_b) 1^c_b 0^(P-p_b) 1^p_b`` and positions are given explicitly
+   (``c_b + arange(p_b)``), which makes the padding invisible to RoPE and attention. Rows with
+   the same cache object and the same pending ids (G siblings at turn 0) are prefilled once.
+2. decode: sample each live row (``sampling.sample_step``), append, check stops; a finished row
+   leaves the batch and its cache (padding squeezed out) returns to its session.
+
+The last sampled id of an action is not fed to the model: it is the first pending id of the next
+turn. Sampling consumes ``B_live x V`` uniforms from the ``torch.Generator`` per step, so samples
+are reproducible for a given seed *and* batch composition.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from closedloop.contracts import TOOL_CALL_CLOSE, SamplerConfig
+from closedloop.policy.generator import (
+    FinishReason,
+    Generation,
+    GenerationError,
+    StopMatcher,
+    default_stop_token_ids,
+)
+from closedloop.policy.sampling import sample_step
+from closedloop.policy.weights import weights_checksum
+
+SessionId = int
+KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each [1, H, n, D]
+
+
+@dataclass
+class _Session:
+    ids: list[int]
+    kv: KV | None = None
+    n_cached: int = 0
+
+
+@dataclass
+class GeneratorStats:
+    """Counters since construction: ids prefilled, ids decoded, forward calls, batches."""
+
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    forward_calls: int = 0
+    batches: int = 0
+
+
+@dataclass
+class _Row:
+    session: SessionId
+    ids: list[int] = field(default_factory=list)
+    behavior: list[float] = field(default_factory=list)
+    raw: list[float] = field(default_factory=list)
+    finish: FinishReason | None = None
+
+
+class HFGenerator:
+    """Stateful batched generator over a transformers causal LM (see module doc).
+
+    ``stop_token_ids`` default to ``default_stop_token_ids(tokenizer)`` (EOS, ``<|im_end|>``,
+    ``<|endoftext|>``); ``stop_sequences`` and the ``seed`` of ``self.rng`` are the defaults of
+    ``generate_batch`` calls that pass none.
+    ``weight_checksum`` is computed from the model unless given; call ``refresh_weights`` after
+    changing the weights in place (it also drops every KV cache: they belong to old weights).
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, *, weight_checksum: str | None = None,
+                 reprefill: bool = False, stop_token_ids: Sequence[int] | None = None,
+                 stop_sequences: Sequence[str] = (TOOL_CALL_CLOSE,), seed: int = 0) -> None:
+        self.model = model
+        self.stop_sequences = tuple(stop_sequences)
+        self.rng = torch.Generator().manual_seed(seed)
+        self.tokenizer = tokenizer
+        self.reprefill = reprefill
+        self.stop_token_ids = tuple(stop_token_ids) if stop_token_ids is not None \
+            else default_stop_token_ids(tokenizer)
+        self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
+        self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
+        self.stats = GeneratorStats()
+        self._checksum = weight_checksum
+        self._sessions: dict[SessionId, _Session] = {}
+        self._next_id = itertools.count()
+
+    @property
+    def weight_checksum(self) -> str:
+        """The checksum of the sampling weights (computed once, or given)."""
+        if self._checksum is None:
+            self._checksum = weights_checksum(self.model)
+        return self._checksum
+
+    def refresh_weights(self, weight_checksum: str | None = None) -> None:
+        """Declare the weights changed: drop all KV caches and recompute the checksum lazily."""
+        self._checksum = weight_checksum
+        for s in self._sessions.values():
+            s.kv, s.n_cached = None, 0
+
+    # -- sessions ---------------------------------------------------------------------------
+    def open_sessions(self, prompts: Sequence[Sequence[int]]) -> list[SessionId]:
+        """Open one session per prompt (token ids); return their ids."""
+        out = []
+        for prompt in prompts:
+            ids = self._checked_ids(prompt)
+            if not ids:
+                raise GenerationError("a session needs a non-empty prompt")
+            sid = next(self._next_id)
+            self._sessions[sid] = _Session(ids)
+            out.append(sid)
+        return out
+
+    def open_session(self, prompt: Sequence[int]) -> SessionId:
+        """Open one session (``open_sessions([prompt])[0]``)."""
+        return self.open_sessions([prompt])[0]
+
+    def extend(self, session: SessionId, ids: Sequence[int]) -> None:
+        """Append ids (an observation delta) to a session's context; they prefill next turn."""
+        self._session(session).ids.extend(self._checked_ids(ids))
+
+    def fork(self, session: SessionId) -> SessionId:
+        """Open a copy of a session sharing its (immutable) KV cache; for branching."""
+        src = self._session(session)
+        sid = next(self._next_id)
+        self._sessions[sid] = _Session(list(src.ids), src.kv, src.n_cached)
+        return sid
+
+    def context(self, session: SessionId) -> list[int]:
+        """Return a copy of the session's whole context ids."""
+        return list(self._session(session).ids)
+
+    def close(self, session: SessionId) -> None:
+        """Forget a session and free its cache."""
+        self._sessions.pop(session, None)
+
+    # -- generation -------------------------------------------------------------------------
+    def generate(self, context_token_ids: Sequence[int], sampler: SamplerConfig,
+                 stop: Sequence[str], max_new_tokens: int, seed: int) -> Generation:
+        """The ``Generator`` protocol: one context, one action, seeded."""
+        (sid,) = self.open_sessions([context_token_ids])
+        try:
+            rng = torch.Generator().manual_seed(seed)
+            return self.generate_batch([sid], sampler, stop, max_new_tokens, rng)[0]
+        finally:
+            self.close(sid)
+
+    @torch.no_grad()
+    def generate_batch(self, sessions: Sequence[SessionId], sampler: SamplerConfig,
+                       stop_sequences: Sequence[str] | None = None, max_new_tokens: int = 256,
+                       generator: torch.Generator | None = None) -> list[Generation]:
+        """Generate one action for every session, stepping them together (module doc).
+
+        ``stop_sequences``/``generator`` default to the constructor's (``</tool_call>``,
+        ``self.rng``). Returns one ``Generation`` per session, in order; each session's
+        context then ends with its action ids.
+        """
+        if stop_sequences is None:
+            stop_sequences = self.stop_sequences
+        if generator is None:
+            generator = self.rng
+        if len(set(sessions)) != len(sessions) or not sessions:
+            raise GenerationError("generate_batch needs distinct sessions, at least one")
+        if max_new_tokens < 1:
+            raise GenerationError("max_new_tokens must be >= 1")
+        states = [self._session(s) for s in sessions]
+        if self.reprefill:
+            for st in states:
+                st.kv, st.n_cached = None, 0
+        matcher = StopMatcher(self.tokenizer, stop_sequences, self.stop_token_ids)
+        logits_B_V, cache, mask_B_L, pos_B = self._prefill(states)
+        rows = [_Row(s) for s in sessions]
+        live = list(range(len(rows)))
+        self.stats.batches += 1
+        for _ in range(max_new_tokens):
+            step = sample_step(logits_B_V, sampler, generator)
+            for j, r in enumerate(live):
+                row = rows[r]
+                row.ids.append(int(step.ids_B[j]))
+                row.behavior.append(float(step.behavior_logprobs_B[j]))
+                row.raw.append(float(step.raw_logprobs_B[j]))
+                row.finish = matcher.check(row.ids)
+                if row.finish is None and len(row.ids) >= max_new_tokens:
+                    row.finish = "length"
+            keep = [j for j, r in enumerate(live) if rows[r].finish is None]
+            for j, r in enumerate(live):
+                if rows[r].finish is not None:
+                    self._finish(states[r], rows[r], cache, j, mask_B_L[j])
+            if not keep:
+                break
+            live = [live[j] for j in keep]
+            idx = torch.tensor(keep)
+            if len(keep) < len(mask_B_L):
+                cache.batch_select_indices(idx)
+            last_B_1 = torch.tensor([[rows[r].ids[-1]] for r in live])
+            mask_B_L = torch.cat([mask_B_L[idx], torch.ones(len(keep), 1, dtype=torch.long)], 1)
+            pos_B = pos_B[idx] + 1
+            logits_B_V = self._forward(last_B_1, mask_B_L, pos_B[:, None], cache)
+            self.stats.decode_tokens += len(keep)
+        return [Generation(r.ids, r.behavior, r.raw, r.finish or "length") for r in rows]
+
+    def _prefill(self, states: list[_Session]) -> tuple[torch.Tensor, Any, torch.Tensor,
+                                                        torch.Tensor]:
+        """Prefill pending ids of unique rows; return last logits, cache, mask, last positions."""
+        keys = [(id(st.kv), st.n_cached, tuple(st.ids[st.n_cached:])) for st in states]
+        unique: dict[tuple[int, int, tuple[int, ...]], int] = {}
+        for key in keys:
+            unique.setdefault(key, len(unique))
+        firsts = [states[keys.index(k)] for k in unique]
+        c_max = max(st.n_cached for st in firsts)
+        p_max = max(len(st.ids) - st.n_cached for st in firsts)
+        inputs, masks, positions = [], [], []
+        for st in firsts:
+            p = len(st.ids) - st.n_cached
+            if p < 1:
+                raise GenerationError("a session has no pending ids (generate twice in a row?)")
+            inputs.append([self.pad_id] * (p_max - p) + st.ids[st.n_cached:])
+            masks.append([0] * (c_max - st.n_cached) + [1] * st.n_cached
+                         + [0] * (p_max - p) + [1] * p)
+            positions.append([0] * (p_max - p) + list(range(st.n_cached, st.n_cached + p)))
+        cache = _batched_cache(firsts, c_max)
+        mask_U_L = torch.tensor(masks)
+        pos_U_P = torch.tensor(positions)
+        logits_U_V = self._forward(torch.tensor(inputs), mask_U_L, pos_U_P, cache)
+        self.stats.prefill_tokens += sum(len(st.ids) - st.n_cached for st in firsts)
+        expand = torch.tensor([unique[k] for k in keys])
+        if len(unique) < len(keys):
+            cache.batch_select_indices(expand)
+        return logits_U_V[expand], cache, mask_U_L[expand], pos_U_P[expand, -1]
+
+    def _forward(self, input_B_P: torch.Tensor, mask_B_L: torch.Tensor, pos_B_P: torch.Tensor,
+                 cache: Any) -> torch.Tensor:
+        out = self.model(input_ids=input_B_P, attention_mask=mask_B_L, position_ids=pos_B_P,
+                         cache=cache, use_cache=True, logits_to_keep=1)
+        self.stats.forward_calls += 1
+        return out.logits[:, -1, :].float()
+
+    def _finish(self, st: _Session, row: _Row, cache: Any, j: int, mask_L: torch.Tensor) -> None:
+        """Hand a finished row's ids and its cache (padding squeezed out) back to its session."""
+        keep_L = mask_L.bool()
+        st.kv = None if self.reprefill else [
+            (layer.keys[j][:, keep_L].unsqueeze(0), layer.values[j][:, keep_L].unsqueeze(0))
+            for layer in cache.layers]
+        st.ids.extend(row.ids)
+        st.n_cached = len(st.ids) - 1 if st.kv is not None else 0
+
+    def _session(self, session: SessionId) -> _Session:
+        try:
+            return self._sessions[session]
+        except KeyError:
+            raise GenerationError(f"unknown or closed session {session}") from None
+
+    def _checked_ids(self, ids: Sequence[int]) -> list[int]:
+        out = [int(i) for i in ids]
+        if any(i < 0 or i >= self.vocab_size for i in out):
+            raise GenerationError(f"token ids must be in [0, {self.vocab_size})")
+        return out
+
+
+def _batched_cache(states: list[_Session], c_max: int) -> Any:
+    """Left-pad each session's KV to ``c_max`` and stack them into one ``DynamicCache``."""
+    from transformers import DynamicCache
+
+    if c_max == 0:
+        return DynamicCache()
+    ref = next(st.kv for st in states if st.kv is not None)
+    layers = []
+    for li, (k_ref, _) in enumerate(ref):
+        ks, vs = [], []
+        for st in states:
+            if st.kv is None:
+                ks.append(k_ref.new_zeros(1, k_ref.shape[1], c_max, k_ref.shape[3]))
+                vs.append(ks[-1])
+                continue
+            k, v = st.kv[li]
+            pad = c_max - k.shape[2]
+            ks.append(torch.nn.functional.pad(k, (0, 0, pad, 0)) if pad else k)
+            vs.append(torch.nn.functional.pad(v, (0, 0, pad, 0)) if pad else v)
+        layers.append((torch.cat(ks, 0), torch.cat(vs, 0)))
+    return DynamicCache(ddp_cache_data=layers)
+

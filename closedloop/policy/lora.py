@@ -1,0 +1,112 @@
+"""LoRA adapters (peft) and the policy-version checksum of base + adapter.
+
+``attach_lora`` wraps a causal LM in a peft ``PeftModel`` with a seeded initialization (A ~
+Kaiming-uniform from ``seed``, B = 0, so the adapted model starts equal to the base) and dropout 0
+by default, so the trainer's log-probs are a deterministic function of the weights, like the
+generator's.
+
+A LoRA policy version is base revision + adapter revision (seed 000 §1). ``policy_weight_checksum``
+returns both and their combination (``weights.combine_checksums``), which is the manifest's
+``weight_checksum``. The base checksum uses the base model's own tensor names (peft's
+``base_model.model.`` prefix and ``.base_layer`` segment removed), so it equals
+``weights_checksum`` of the un-adapted model; the adapter checksum covers every other tensor
+(``lora_A``, ``lora_B``, ...) under its in-memory name.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from closedloop.contracts import ClosedloopError
+from closedloop.policy.weights import checksum_tensors, combine_checksums, weights_checksum
+
+PEFT_PREFIX = "base_model.model."
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+class AdapterError(ClosedloopError):
+    """An adapter cannot be attached, saved or loaded; the message says why."""
+
+
+class PolicyChecksum(NamedTuple):
+    """The identity of a policy's weights: base, adapter (None without one), combined."""
+
+    base_checksum: str
+    adapter_checksum: str | None
+    combined: str
+
+
+def attach_lora(model: Any, r: int = 8, alpha: int = 16,
+                target_modules: Sequence[str] = DEFAULT_TARGETS, seed: int = 0,
+                dropout: float = 0.0) -> Any:
+    """Return ``model`` wrapped with a fresh LoRA adapter (rank ``r``, scale ``alpha / r``).
+
+    Only the adapter's parameters require gradients. The global RNG is left untouched.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    if r < 1 or alpha <= 0:
+        raise AdapterError(f"LoRA needs r >= 1 and alpha > 0, got r={r}, alpha={alpha}")
+    config = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(target_modules),
+                        lora_dropout=dropout, bias="none", task_type="CAUSAL_LM")
+    devices: list[torch.device] = []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        return get_peft_model(model, config)
+
+
+def is_peft_model(model: Any) -> bool:
+    """Say whether ``model`` is a peft ``PeftModel``."""
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def policy_weight_checksum(model: Any) -> PolicyChecksum:
+    """Return base, adapter and combined checksums of a plain or LoRA-wrapped model."""
+    if not is_peft_model(model):
+        base = weights_checksum(model)
+        return PolicyChecksum(base, None, base)
+    base_named, adapter_named = [], []
+    for name, tensor in model.state_dict().items():
+        plain = name.removeprefix(PEFT_PREFIX)
+        if "lora_" in plain or "modules_to_save" in plain:
+            adapter_named.append((name, tensor))
+        else:
+            base_named.append((plain.replace(".base_layer.", "."), tensor))
+    base = checksum_tensors(base_named)
+    adapter = checksum_tensors(adapter_named)
+    return PolicyChecksum(base, adapter, combine_checksums(base, adapter))
+
+
+def save_adapter(model: Any, path: str | Path) -> Path:
+    """Save the adapter (weights + config only) to ``path`` atomically; return ``path``."""
+    if not is_peft_model(model):
+        raise AdapterError("save_adapter needs a peft model (attach_lora first)")
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tmp.chmod(0o755)
+        if target.exists():
+            raise AdapterError(f"{target} exists; adapters are never overwritten")
+        os.rename(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def load_adapter(base_model: Any, path: str | Path, trainable: bool = False) -> Any:
+    """Return ``base_model`` wrapped with the adapter saved at ``path``."""
+    from peft import PeftModel
+
+    if not (Path(path) / "adapter_config.json").is_file():
+        raise AdapterError(f"{path} holds no adapter_config.json")
+    return PeftModel.from_pretrained(base_model, str(path), is_trainable=trainable)

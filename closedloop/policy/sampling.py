@@ -1,0 +1,102 @@
+"""The sampler's distribution, as pure functions (seed 000 §3 rule 1 and §6).
+
+The behaviour log-prob of a sampled token is its log-probability under the distribution that
+*actually* sampled it, not under the raw model. For logits ``z`` (one row of ``logits_B_V``) and a
+``SamplerConfig(temperature τ, top_k k, top_p p, greedy)``:
+
+1. temperature: ``s = z / τ``;
+2. top-k: keep tokens with ``s_i >= s_(k)`` (the k-th largest value; ties at the threshold are
+   kept, so the support may exceed k);
+3. top-p (nucleus): sort the kept tokens by probability ``q = softmax(s)`` descending (stable on
+   ties: lower id first); keep token ``j`` when the mass strictly before it is ``< p``; the top
+   token is always kept;
+4. ``logprobs = log_softmax(s masked to -inf outside the support)``: the renormalized
+   distribution over the support; tokens outside it are ``-inf``.
+
+Greedy is the point mass on ``argmax z`` (lowest id on ties): log-prob 0 there, ``-inf``
+elsewhere. ``sample`` draws with the Gumbel-max trick restricted to finite entries, so a token
+outside the support can never be drawn: its score is ``-inf`` while every supported token's score
+is finite (the Gumbel noise is clamped to finite values). The raw log-prob of the same token is
+``log_softmax(z)[id]`` (temperature 1, no truncation).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from closedloop.contracts import SamplerConfig
+
+NEG_INF = float("-inf")
+
+
+class SampleResult(NamedTuple):
+    """Sampled ids and both log-probs, each of shape ``[B]``."""
+
+    ids_B: torch.Tensor
+    behavior_logprobs_B: torch.Tensor
+    raw_logprobs_B: torch.Tensor
+
+
+def transform_logits(logits_B_V: torch.Tensor, sampler: SamplerConfig) -> torch.Tensor:
+    """Return ``logprobs_B_V`` of the sampling distribution (see module doc), in float32 or wider.
+
+    Every row has at least one finite entry; entries outside the support are ``-inf``.
+    """
+    logits = logits_B_V.float() if logits_B_V.dtype in (torch.float16, torch.bfloat16) \
+        else logits_B_V
+    if sampler.greedy:
+        out = torch.full_like(logits, NEG_INF)
+        return out.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 0.0)
+    scores = logits / sampler.temperature
+    if sampler.top_k is not None and sampler.top_k < scores.shape[-1]:
+        kth_B_1 = torch.topk(scores, sampler.top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth_B_1, NEG_INF)
+    if sampler.top_p < 1.0:
+        scores = _top_p_mask(scores, sampler.top_p)
+    return torch.log_softmax(scores, dim=-1)
+
+
+def _top_p_mask(scores_B_V: torch.Tensor, top_p: float) -> torch.Tensor:
+    probs_B_V = torch.softmax(scores_B_V, dim=-1)
+    sorted_B_V, order_B_V = torch.sort(probs_B_V, dim=-1, descending=True, stable=True)
+    mass_before_B_V = torch.cumsum(sorted_B_V, dim=-1) - sorted_B_V
+    drop_sorted_B_V = mass_before_B_V >= top_p
+    drop_sorted_B_V[..., 0] = False
+    drop_B_V = torch.zeros_like(drop_sorted_B_V).scatter_(-1, order_B_V, drop_sorted_B_V)
+    return scores_B_V.masked_fill(drop_B_V, NEG_INF)
+
+
+def sample(logprobs_B_V: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Draw one id per row from ``exp(logprobs_B_V)`` with the Gumbel-max trick; return ``ids_B``.
+
+    ``argmax_i (logprobs_i + g_i)`` with ``g_i = -log(-log u_i)``, ``u_i ~ U(0,1)`` clamped into
+    ``[tiny, 1 - eps]`` so ``g`` is finite: a ``-inf`` entry stays ``-inf`` and can never win
+    against a finite one. The draws consume ``B x V`` uniforms from ``generator``.
+    """
+    lp = logprobs_B_V.float() if logprobs_B_V.dtype in (torch.float16, torch.bfloat16) \
+        else logprobs_B_V
+    u = torch.rand(lp.shape, generator=generator, dtype=lp.dtype, device=lp.device)
+    finfo = torch.finfo(lp.dtype)
+    u = u.clamp_(min=finfo.tiny, max=1.0 - finfo.eps)
+    gumbel = -torch.log(-torch.log(u))
+    scores = torch.where(torch.isfinite(lp), lp + gumbel, torch.full_like(lp, NEG_INF))
+    return scores.argmax(dim=-1)
+
+
+def sample_step(logits_B_V: torch.Tensor, sampler: SamplerConfig,
+                generator: torch.Generator | None = None) -> SampleResult:
+    """Transform, sample and return ids with behaviour and raw log-probs (all ``[B]``)."""
+    logprobs_B_V = transform_logits(logits_B_V, sampler)
+    ids_B = logprobs_B_V.argmax(dim=-1) if sampler.greedy else sample(logprobs_B_V, generator)
+    behavior_B = logprobs_B_V.gather(-1, ids_B[:, None]).squeeze(-1)
+    raw_B = raw_logprobs_at(logits_B_V, ids_B)
+    return SampleResult(ids_B, behavior_B, raw_B)
+
+
+def raw_logprobs_at(logits_B_V: torch.Tensor, ids_B: torch.Tensor) -> torch.Tensor:
+    """Return ``log_softmax(logits)[b, ids[b]]`` as ``logits.gather - logsumexp`` (``[B]``)."""
+    logits = logits_B_V.float()
+    picked_B = logits.gather(-1, ids_B[:, None]).squeeze(-1)
+    return picked_B - torch.logsumexp(logits, dim=-1)

@@ -1,0 +1,122 @@
+"""The sampler's distribution: support, renormalization, greedy point mass, draws."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from closedloop.contracts import SamplerConfig
+from closedloop.policy import sample, sample_step, transform_logits
+
+
+def reference_logprobs(logits, sampler):
+    """Independent float64 implementation of the documented transform (loops, no torch)."""
+    z = np.asarray(logits, dtype=np.float64)
+    if sampler.greedy:
+        out = np.full_like(z, -np.inf)
+        out[int(np.argmax(z))] = 0.0
+        return out
+    s = z / sampler.temperature
+    keep = np.ones_like(s, dtype=bool)
+    if sampler.top_k is not None and sampler.top_k < len(s):
+        kth = np.sort(s)[::-1][sampler.top_k - 1]
+        keep &= s >= kth
+    if sampler.top_p < 1.0:
+        q = np.where(keep, np.exp(s - s[keep].max()), 0.0)
+        q /= q.sum()
+        order = sorted(range(len(s)), key=lambda i: (-q[i], i))
+        before = 0.0
+        for rank, i in enumerate(order):
+            if rank > 0 and before >= sampler.top_p:
+                keep[i] = False
+            before += q[i]
+    m = s[keep].max()
+    lse = m + math.log(np.exp(s[keep] - m).sum())
+    return np.where(keep, s - lse, -np.inf)
+
+
+samplers = st.builds(
+    SamplerConfig,
+    temperature=st.floats(0.05, 5.0),
+    top_p=st.floats(0.01, 1.0),
+    top_k=st.one_of(st.none(), st.integers(1, 40)),
+    greedy=st.booleans(),
+)
+logit_rows = st.lists(st.floats(-30, 30, allow_nan=False).map(lambda x: round(x, 1)),
+                      min_size=2, max_size=40)
+
+
+@settings(max_examples=150, deadline=None)
+@given(logits=logit_rows, sampler=samplers, seed=st.integers(0, 2**31 - 1))
+def test_draws_never_leave_the_truncated_support(logits, sampler, seed):
+    logits_1_V = torch.tensor([logits], dtype=torch.float32)
+    lp_1_V = transform_logits(logits_1_V, sampler)
+    finite = torch.isfinite(lp_1_V[0])
+    assert finite.any()
+    assert math.isclose(float(lp_1_V[0][finite].exp().sum()), 1.0, abs_tol=1e-5)
+    gen = torch.Generator().manual_seed(seed)
+    ids = sample(lp_1_V.expand(200, -1), gen)  # 150 examples x 200 = 30,000 draws
+    assert bool(finite[ids].all()), "a token outside the support was drawn"
+    step = sample_step(logits_1_V.expand(50, -1), sampler, gen)
+    assert bool(torch.isfinite(step.behavior_logprobs_B).all())
+    assert bool((step.behavior_logprobs_B <= 1e-6).all())
+
+
+@settings(max_examples=150, deadline=None)
+@given(logits=logit_rows, sampler=samplers)
+def test_transform_matches_independent_reference(logits, sampler):
+    got = transform_logits(torch.tensor([logits], dtype=torch.float64), sampler)[0].numpy()
+    want = reference_logprobs(logits, sampler)
+    assert np.array_equal(np.isfinite(got), np.isfinite(want))
+    fin = np.isfinite(want)
+    np.testing.assert_allclose(got[fin], want[fin], atol=1e-9)
+
+
+@settings(max_examples=100, deadline=None)
+@given(logits=logit_rows, top_p=st.floats(0.01, 0.99), temperature=st.floats(0.1, 3.0))
+def test_top_p_support_is_the_smallest_sufficient_prefix(logits, top_p, temperature):
+    sampler = SamplerConfig(temperature=temperature, top_p=top_p)
+    lp = transform_logits(torch.tensor([logits], dtype=torch.float64), sampler)[0]
+    q = torch.softmax(torch.tensor(logits, dtype=torch.float64) / temperature, -1)
+    kept = torch.isfinite(lp)
+    mass = float(q[kept].sum())
+    assert mass >= top_p - 1e-9 or bool(kept.all())
+    assert mass - float(q[kept].min()) < top_p + 1e-9  # dropping any kept token goes below p
+    assert float(q[kept].min()) >= float(q[~kept].max()) if (~kept).any() else True
+
+
+def test_hand_worked_top_p():
+    # softmax([2, 1, 0, -1]) = [0.6439, 0.2369, 0.0871, 0.0321]; mass before each token
+    # = [0, 0.6439, 0.8808, 0.9679]; top_p = 0.7 keeps the first two, renormalized to
+    # [0.7311, 0.2689] -> log-probs [-0.3133, -1.3133, -inf, -inf].
+    lp = transform_logits(torch.tensor([[2.0, 1.0, 0.0, -1.0]]), SamplerConfig(top_p=0.7))[0]
+    assert lp[:2].tolist() == pytest.approx([-0.31326, -1.31326], abs=1e-4)
+    assert lp[2:].tolist() == [float("-inf")] * 2
+
+
+def test_top_k_keeps_ties_at_the_threshold():
+    lp = transform_logits(torch.tensor([[3.0, 1.0, 1.0, 0.0]]), SamplerConfig(top_k=2))[0]
+    assert torch.isfinite(lp).tolist() == [True, True, True, False]
+
+
+def test_greedy_is_a_point_mass_with_logprob_zero():
+    logits = torch.tensor([[0.1, 2.0, 2.0, -1.0], [5.0, 0.0, 0.0, 0.0]])
+    step = sample_step(logits, SamplerConfig(greedy=True), torch.Generator().manual_seed(0))
+    assert step.ids_B.tolist() == [1, 0]
+    assert step.behavior_logprobs_B.tolist() == [0.0, 0.0]
+    assert step.raw_logprobs_B[0] == pytest.approx(float(torch.log_softmax(logits[0], 0)[1]))
+
+
+def test_draw_frequencies_follow_the_transformed_distribution():
+    logits_1_V = torch.tensor([[2.0, 1.5, 0.5, 0.0, -3.0]])
+    sampler = SamplerConfig(temperature=0.7, top_p=0.9)
+    probs = transform_logits(logits_1_V, sampler)[0].exp()
+    ids = sample(transform_logits(logits_1_V.expand(20000, -1), sampler),
+                 torch.Generator().manual_seed(3))
+    freq = torch.bincount(ids, minlength=5).double() / 20000
+    # binomial std <= sqrt(0.25 / 20000) = 0.0035; 0.015 is > 4 std
+    assert torch.allclose(freq, probs.double(), atol=0.015)
+    assert freq[probs == 0].sum() == 0

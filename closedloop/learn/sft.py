@@ -1,0 +1,104 @@
+"""Supervised warm start on demonstrations (seed 000 §7: "add a small tool-call and recovery SFT
+stage first"; design.md §6: the embedded model emits no tool calls out of the box).
+
+The demonstrations are ordinary traced episodes (the noisy expert's, through the same collector,
+renderer and threading), so SFT teacher-forces exactly the ids an RL batch would: the loss is the
+token mean of -log πθ over action tokens only (``action_mask``; prompts and observations never
+train). Every optimizer step's trained-token count is summed so an SFT-only control can be
+matched to an RL arm's token budget later.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from closedloop.contracts import Episode
+from closedloop.policy.logprobs import sequence_logprobs
+from closedloop.rollout.tensors import build_training_batch, shift_targets
+
+
+@dataclass(frozen=True)
+class SFTResult:
+    """What the warm start did: steps, trained action tokens, and the loss curve."""
+
+    optimizer_steps: int
+    trained_action_tokens: int
+    episodes: int
+    losses: tuple[float, ...]
+
+
+def sft_backward(
+    model: torch.nn.Module,
+    episodes: Sequence[Episode],
+    pad_id: int,
+    micro_batch_size: int,
+) -> tuple[float, int]:
+    """Backpropagate the token-mean NLL of the action tokens of ``episodes``.
+
+    L = -(1/N) Σ_i Σ_t m_it log πθ(y_it), N = Σ m over all of ``episodes``; computed in
+    micro-batches whose gradients add up to the whole one. Returns (L, N).
+    """
+    shifted_all = shift_targets(build_training_batch(episodes, pad_id=pad_id))
+    n_total = int(shifted_all.mask_B_T.sum())
+    if n_total == 0:
+        return 0.0, 0
+    total = 0.0
+    for start in range(0, len(episodes), micro_batch_size):
+        batch = build_training_batch(episodes[start : start + micro_batch_size], pad_id=pad_id)
+        mask = shift_targets(batch).mask_B_T
+        logprobs = sequence_logprobs(model, batch.token_ids_B_T, batch.attention_mask_B_T,
+                                     target_mask_B_T=mask)
+        loss = -(logprobs * mask).sum() / n_total
+        loss.backward()
+        total += float(loss.detach())
+    return total, n_total
+
+
+def supervised_warm_start(
+    model: torch.nn.Module,
+    episodes: Sequence[Episode],
+    pad_id: int,
+    *,
+    epochs: int,
+    batch_size: int,
+    learning_rate: float,
+    seed: int,
+    max_tokens: int | None = None,
+    micro_batch_size: int = 2,
+    progress: Callable[[int], None] | None = None,
+) -> SFTResult:
+    """Train on ``episodes`` for ``epochs`` passes of shuffled mini-batches.
+
+    ``max_tokens`` stops once that many action tokens have been trained on (used to match the
+    SFT-only control's budget to an RL arm's).
+    """
+    if not episodes:
+        raise ValueError("no demonstrations to train on")
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=learning_rate)
+    rng = random.Random(seed)
+    order = list(range(len(episodes)))
+    losses: list[float] = []
+    trained = 0
+    steps = 0
+    model.train()
+    for _ in range(epochs):
+        rng.shuffle(order)
+        for start in range(0, len(order), batch_size):
+            chunk = [episodes[i] for i in order[start : start + batch_size]]
+            optimizer.zero_grad(set_to_none=True)
+            loss, n = sft_backward(model, chunk, pad_id, micro_batch_size)
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            trained += n
+            steps += 1
+            losses.append(loss)
+            if progress is not None:
+                progress(len(chunk))
+            if max_tokens is not None and trained >= max_tokens:
+                return SFTResult(steps, trained, len(episodes), tuple(losses))
+    return SFTResult(steps, trained, len(episodes), tuple(losses))

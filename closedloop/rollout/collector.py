@@ -1,0 +1,342 @@
+"""Version-pinned, group-batched multi-turn collection (seed 000 §3 and §6, seed 004).
+
+A ``GroupLease`` binds G sibling episodes of one task, seed, base snapshot, behaviour manifest
+and sampler. Each sibling gets its own environment instance (never one shared env, design.md §7
+failure 16). All live episodes of all groups step together: one batched ``act`` per turn, then
+one environment step each; finished episodes drop out. Every turn is written as a ``TurnRecord``
+as it happens and every episode ends with a ``TrajectoryRecord``:
+
+- terminal episodes (finish, environment terminal, task budget) are scored by the verifier from
+  the exported state, outside the agent's reach;
+- censored ones (``max_token_truncation``, ``max_step_truncation``, ``tool_timeout``,
+  ``infra_abort``, ``scheduler_cancel``) get reward ``None``, never 0.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+from closedloop.contracts import (
+    ActionParseError,
+    Episode,
+    GroupLease,
+    PolicyManifest,
+    SnapshotMismatchError,
+    Termination,
+    TraceWriter,
+    TrajectoryRecord,
+    TurnRecord,
+    parse_action,
+)
+from closedloop.contracts.records import ActionKindOrInvalid
+from closedloop.envs.protocol import AgentEnv
+from closedloop.rollout.source import ActionSample, ActionSource
+
+
+class Renderer(Protocol):
+    """Renders the prompt once and each observation delta once (see closedloop.policy.chat)."""
+
+    def render_prompt(self, task_text: str) -> list[int]:
+        """Token ids of system prompt + task + assistant header."""
+        ...
+
+    def render_observation(self, observation_text: str, *, turn_closed: bool = False
+                           ) -> list[int]:
+        """Token ids appended after an action: end of turn, observation, assistant header."""
+        ...
+
+    def turn_closed(self, action_ids: Sequence[int]) -> bool:
+        """Whether the action's own ids already closed the assistant turn."""
+        ...
+
+
+class Scorer(Protocol):
+    """The verifier's clean-room entry point."""
+
+    version: str
+
+    def score_or_quarantine(self, task_id: str, final_state: bytes) -> Any:
+        """Return an object with ``reward`` (dict or None) and ``quarantine_reason``."""
+        ...
+
+
+@dataclass(frozen=True)
+class CollectorConfig:
+    """Episode limits imposed by the collector (not by the task contract).
+
+    max_turns: a turn limit; reaching it before the task's own step budget ends the episode
+    with ``max_step_truncation`` (censored). deadline_s: wall-clock budget for one call;
+    episodes still live then end with ``scheduler_cancel``.
+    """
+
+    max_turns: int = 8
+    deadline_s: float | None = None
+
+
+@dataclass(frozen=True)
+class CollectedGroup:
+    """A lease and its G finished episodes, in sample order."""
+
+    lease: GroupLease
+    episodes: tuple[Episode, ...]
+
+
+@dataclass
+class _Live:
+    key: str
+    lease: GroupLease
+    sample_index: int
+    env: AgentEnv
+    family: str
+    split: str
+    started_at: str
+    prompt_ids: list[int]
+    context_len: int = 0
+    turns: list[TurnRecord] = field(default_factory=list)
+    termination: Termination | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def _safe_hash(env: AgentEnv) -> str:
+    try:
+        return env.state_hash()
+    except Exception:
+        return "unavailable"
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="milliseconds")
+
+
+def _add(timings: dict[str, float], key: str, seconds: float) -> None:
+    timings[key] = timings.get(key, 0.0) + seconds
+
+
+class Collector:
+    """Collects complete groups under one behaviour manifest."""
+
+    def __init__(self, source: ActionSource, renderer: Renderer,
+                 env_factory: Callable[[], AgentEnv], scorer: Scorer,
+                 task_info: Callable[[str], tuple[str, str]], manifest: PolicyManifest,
+                 run_id: str, writer: TraceWriter | None = None,
+                 config: CollectorConfig | None = None) -> None:
+        self.source = source
+        self.renderer = renderer
+        self.env_factory = env_factory
+        self.scorer = scorer
+        self.task_info = task_info
+        self.manifest = manifest
+        self.run_id = run_id
+        self.writer = writer
+        self.config = config or CollectorConfig()
+
+    def make_lease(self, group_id: str, task_id: str, seed: int, group_size: int) -> GroupLease:
+        """Reset a probe environment to find the base snapshot, and bind the group to it."""
+        env = self.env_factory()
+        env.reset(task_id, seed)
+        base = env.snapshot("base")
+        return GroupLease(group_id=group_id, run_id=self.run_id, task_id=task_id, seed=seed,
+                          base_snapshot_id=base.snapshot_id,
+                          behavior_manifest_hash=self.manifest.manifest_hash(),
+                          behavior_policy_version=self.manifest.policy_version,
+                          sampler_config_hash=self.manifest.sampler.config_hash(),
+                          group_size=group_size)
+
+    def collect(self, leases: Sequence[GroupLease],
+                progress: Callable[[int], None] | None = None) -> list[CollectedGroup]:
+        """Run every sibling of every lease to the end; return complete groups in lease order."""
+        self._check_leases(leases)
+        started = time.perf_counter()
+        live: list[_Live] = []
+        finished: dict[str, Episode] = {}
+        for lease in leases:
+            if self.writer is not None:
+                self.writer.write(lease)
+            for i in range(lease.group_size):
+                ep = self._start(lease, i)
+                if ep.termination is None:
+                    live.append(ep)
+                else:
+                    finished[ep.key] = self._finish(ep)
+        while live:
+            if self._past_deadline(started):
+                for ep in live:
+                    ep.termination = Termination.SCHEDULER_CANCEL
+            else:
+                self._step_all(live)
+            still = []
+            for ep in live:
+                if ep.termination is None:
+                    still.append(ep)
+                else:
+                    finished[ep.key] = self._finish(ep)
+                    if progress is not None:
+                        progress(1)
+            live = still
+        return [CollectedGroup(lease, tuple(finished[f"{lease.group_id}/{i}"]
+                                            for i in range(lease.group_size)))
+                for lease in leases]
+
+    def _check_leases(self, leases: Sequence[GroupLease]) -> None:
+        manifest_hash = self.manifest.manifest_hash()
+        for lease in leases:
+            if lease.behavior_manifest_hash != manifest_hash:
+                raise SnapshotMismatchError(
+                    f"group {lease.group_id} is leased to manifest {lease.behavior_manifest_hash}"
+                    f", the collector samples with {manifest_hash}")
+
+    def _past_deadline(self, started: float) -> bool:
+        limit = self.config.deadline_s
+        return limit is not None and time.perf_counter() - started > limit
+
+    def _start(self, lease: GroupLease, index: int) -> _Live:
+        t0 = time.perf_counter()
+        family, split = self.task_info(lease.task_id)
+        key = f"{lease.group_id}/{index}"
+        env = self.env_factory()
+        ep = _Live(key, lease, index, env, family, split, _now(), [])
+        try:
+            observation = env.reset(lease.task_id, lease.seed)
+            base = env.snapshot("base")
+            if base.snapshot_id != lease.base_snapshot_id:
+                raise SnapshotMismatchError(
+                    f"sibling {key} reset to {base.snapshot_id}, lease says "
+                    f"{lease.base_snapshot_id}")
+            ep.prompt_ids = self.renderer.render_prompt(observation)
+            self.source.open(key, lease.task_id, ep.prompt_ids, observation)
+        except Exception:
+            ep.timings["infra_error"] = 1.0
+            ep.termination = Termination.INFRA_ABORT
+            traceback.print_exc()
+        _add(ep.timings, "reset_s", time.perf_counter() - t0)
+        return ep
+
+    def _step_all(self, live: list[_Live]) -> None:
+        t0 = time.perf_counter()
+        try:
+            samples = self.source.act([ep.key for ep in live])
+        except Exception:
+            traceback.print_exc()
+            for ep in live:
+                ep.termination = Termination.INFRA_ABORT
+            return
+        decode_share = (time.perf_counter() - t0) / len(live)
+        for ep, sample in zip(live, samples, strict=True):
+            self._apply(ep, sample, decode_share)
+
+    def _apply(self, ep: _Live, sample: ActionSample, decode_s: float) -> None:
+        turn = len(ep.turns)
+        prompt = ep.prompt_ids
+        ep.context_len += len(prompt)
+        state_before = _safe_hash(ep.env)
+        kind, tool_name, tool_args, parse_error, action = _parse(sample.text)
+        timings = {"decode_s": decode_s}
+        error: str | None = None
+        observation = ""
+        termination: Termination | None = None
+        t0 = time.perf_counter()
+        if sample.finish == "length":
+            termination, error = Termination.MAX_TOKEN_TRUNCATION, "max_token_truncation"
+        else:
+            try:
+                tr = ep.env.step(action if action is not None else sample.text)
+                observation, error = tr.observation, tr.error
+                if tr.error == "tool_timeout":
+                    termination = Termination.TOOL_TIMEOUT
+                elif tr.done:
+                    termination = tr.termination or Termination.ENV_TERMINAL_FAILURE
+                elif turn + 1 >= self.config.max_turns:
+                    termination = Termination.MAX_STEP_TRUNCATION
+            except Exception as exc:
+                traceback.print_exc()
+                termination, error = Termination.INFRA_ABORT, f"infra_abort: {exc!r}"[:500]
+        timings["env_s"] = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        next_prompt: list[int] = []
+        if termination is None:
+            next_prompt = self.renderer.render_observation(
+                observation, turn_closed=self.renderer.turn_closed(sample.token_ids))
+            self.source.extend(ep.key, observation, next_prompt)
+        timings["render_s"] = time.perf_counter() - t1
+        record = self._turn_record(ep, turn, prompt, sample, kind, tool_name, tool_args,
+                                   parse_error, observation, error, state_before, termination,
+                                   timings)
+        ep.turns.append(record)
+        ep.context_len += len(sample.token_ids)
+        ep.prompt_ids = next_prompt
+        ep.termination = termination
+        for k, v in timings.items():
+            _add(ep.timings, k, v)
+
+    def _turn_record(self, ep: _Live, turn: int, prompt: list[int], sample: ActionSample,
+                     kind: ActionKindOrInvalid, tool_name: str | None,
+                     tool_args: dict[str, Any] | None, parse_error: str | None,
+                     observation: str, error: str | None, state_before: str,
+                     termination: Termination | None, timings: dict[str, float]) -> TurnRecord:
+        t0 = time.perf_counter()
+        lease, m = ep.lease, self.manifest
+        record = TurnRecord(
+            run_id=self.run_id, episode_id=ep.key, group_id=lease.group_id,
+            task_id=lease.task_id, seed=lease.seed, env_version=ep.env.env_version,
+            base_snapshot_id=lease.base_snapshot_id,
+            behavior_policy_version=m.policy_version, policy_manifest_hash=m.manifest_hash(),
+            behavior_weight_checksum=m.weight_checksum, generator_build=self.source.build,
+            turn=turn, snapshot_before=None, state_before=state_before, context_segment_id=0,
+            memory_state_ref=None, compactor_version=m.compactor_version,
+            prompt_token_ids=list(prompt), prompt_is_delta=turn > 0,
+            context_len_before=ep.context_len, action_token_ids=list(sample.token_ids),
+            sampler_config=m.sampler, behavior_logprobs=list(sample.behavior_logprobs),
+            raw_model_logprobs=sample.raw_logprobs, action_mask=[1] * len(sample.token_ids),
+            action_text=sample.text, action_kind=kind, parse_error=parse_error,
+            generation_finish=sample.finish, tool_name=tool_name, tool_args=tool_args,
+            observation=observation, observation_error=error,
+            state_after=_safe_hash(ep.env), reward_components=None,
+            termination_reason=termination, continuation_parent=None, timings=timings)
+        if self.writer is not None:
+            self.writer.write(record)
+        timings["bookkeeping_s"] = time.perf_counter() - t0
+        return record
+
+    def _finish(self, ep: _Live) -> Episode:
+        self.source.close(ep.key)
+        termination = ep.termination or Termination.INFRA_ABORT
+        reward: dict[str, float] | None = None
+        quarantine: str | None = None
+        verifier_version: str | None = None
+        final_hash = _safe_hash(ep.env) if ep.turns or termination.is_terminal else ""
+        if termination.is_terminal:
+            t0 = time.perf_counter()
+            result = self.scorer.score_or_quarantine(ep.lease.task_id, ep.env.export_state())
+            reward, quarantine = result.reward, result.quarantine_reason
+            verifier_version = self.scorer.version
+            _add(ep.timings, "verify_s", time.perf_counter() - t0)
+        m = self.manifest
+        traj = TrajectoryRecord(
+            run_id=self.run_id, episode_id=ep.key, group_id=ep.lease.group_id,
+            sample_index=ep.sample_index, task_id=ep.lease.task_id, task_family=ep.family,
+            split=ep.split, seed=ep.lease.seed, env_version=ep.env.env_version,
+            base_snapshot_id=ep.lease.base_snapshot_id, behavior_policy_version=m.policy_version,
+            policy_manifest_hash=m.manifest_hash(), behavior_weight_checksum=m.weight_checksum,
+            sampler_config=m.sampler, num_turns=len(ep.turns),
+            num_action_tokens=sum(len(t.action_token_ids) for t in ep.turns),
+            termination=termination, reward=reward, verifier_version=verifier_version,
+            final_state_hash=final_hash or "none", quarantine_reason=quarantine,
+            mixed_policy=False, rollout_started_at=ep.started_at, rollout_finished_at=_now(),
+            timings=dict(ep.timings))
+        if self.writer is not None:
+            self.writer.write(traj)
+        return Episode(traj, tuple(ep.turns))
+
+
+def _parse(text: str) -> tuple[ActionKindOrInvalid, str | None, dict[str, Any] | None,
+                               str | None, Any]:
+    try:
+        action = parse_action(text)
+    except ActionParseError as exc:
+        return "invalid", None, None, exc.reason, None
+    return action.kind, action.name, dict(action.args), None, action

@@ -1,0 +1,165 @@
+"""Action sources: who writes the action tokens of an episode.
+
+The collector drives every episode through one ``ActionSource``: a language-model generator
+(``GeneratorSource``, batched with KV reuse) or a scripted policy (``ScriptedSource``, whose
+episodes are demonstrations). A source sees token ids the collector threads; it never
+re-tokenizes a conversation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from closedloop.contracts import Action, SamplerConfig
+from closedloop.contracts.records import GenerationFinish
+
+
+@dataclass(frozen=True)
+class ActionSample:
+    """One action as sampled: its text (decoded for parsing only), ids and log-probs.
+
+    ``behavior_logprobs`` are those of the distribution that actually produced the ids; a
+    scripted source is deterministic given its observations and records 0.0 (probability 1)
+    with ``finish="scripted"``, which the admission controller keeps out of RL updates.
+    """
+
+    text: str
+    token_ids: list[int]
+    behavior_logprobs: list[float]
+    raw_logprobs: list[float] | None
+    finish: GenerationFinish
+
+
+class ActionSource(Protocol):
+    """Produces actions for a set of live episodes, each with its own threaded context."""
+
+    build: str
+
+    def open(self, key: str, task_id: str, prompt_ids: list[int], observation: str) -> None:
+        """Start an episode whose context is ``prompt_ids``."""
+        ...
+
+    def extend(self, key: str, observation: str, observation_ids: list[int]) -> None:
+        """Append an observation delta to an episode's context."""
+        ...
+
+    def act(self, keys: Sequence[str]) -> list[ActionSample]:
+        """Sample one action for each live episode, together."""
+        ...
+
+    def close(self, key: str) -> None:
+        """Forget an episode (free its cache)."""
+        ...
+
+
+class ScriptedPolicyLike(Protocol):
+    """What ``closedloop.envs.scripted`` policies provide."""
+
+    def act(self, observation: str) -> Action | str:
+        """Return the next action (or raw text, possibly malformed on purpose)."""
+        ...
+
+
+class ScriptedSource:
+    """Runs scripted policies (expert, noisy expert, random) through the collector.
+
+    The action text is tokenized once, on its own, with ``encode`` (no special tokens added);
+    the ids are what the demonstration trains on. ``stop_ids`` are appended so a scripted action
+    ends the way a sampled one does.
+    """
+
+    def __init__(self, make_policy: Callable[[str, str], ScriptedPolicyLike],
+                 encode: Callable[[str], list[int]], stop_ids: Sequence[int] = (),
+                 build: str = "scripted") -> None:
+        self.build = build
+        self._make_policy = make_policy
+        self._encode = encode
+        self._stop_ids = list(stop_ids)
+        self._policies: dict[str, ScriptedPolicyLike] = {}
+        self._last_obs: dict[str, str] = {}
+
+    def open(self, key: str, task_id: str, prompt_ids: list[int], observation: str) -> None:
+        """Create the episode's policy (``make_policy(task_id, key)``)."""
+        self._policies[key] = self._make_policy(task_id, key)
+        self._last_obs[key] = observation
+
+    def extend(self, key: str, observation: str, observation_ids: list[int]) -> None:
+        """Remember the observation the policy reacts to next."""
+        self._last_obs[key] = observation
+
+    def act(self, keys: Sequence[str]) -> list[ActionSample]:
+        """Ask each episode's policy for its next action."""
+        out = []
+        for key in keys:
+            action = self._policies[key].act(self._last_obs[key])
+            text = action.canonical_text() if isinstance(action, Action) else action
+            ids = self._encode(text) + self._stop_ids
+            out.append(ActionSample(text, ids, [0.0] * len(ids), None, "scripted"))
+        return out
+
+    def close(self, key: str) -> None:
+        """Drop the episode's policy."""
+        self._policies.pop(key, None)
+        self._last_obs.pop(key, None)
+
+
+class BatchGenerator(Protocol):
+    """The stateful batched generator API of ``closedloop.policy`` (KV reuse per session)."""
+
+    def open_session(self, prompt_ids: list[int]) -> Any:
+        """Start a session whose context is ``prompt_ids``."""
+        ...
+
+    def extend(self, session: Any, ids: list[int]) -> None:
+        """Append ids to a session's context."""
+        ...
+
+    def generate_batch(self, sessions: Sequence[Any], sampler: SamplerConfig,
+                       stop_sequences: Sequence[str] | None = None,
+                       max_new_tokens: int = 256) -> list[Any]:
+        """Sample one action per session; returns generations with ids and log-probs."""
+        ...
+
+    def close(self, session: Any) -> None:
+        """Free a session."""
+        ...
+
+
+class GeneratorSource:
+    """Samples actions from a language model through a batched generator."""
+
+    def __init__(self, generator: BatchGenerator, decode: Callable[[list[int]], str],
+                 sampler: SamplerConfig, max_new_tokens: int, build: str) -> None:
+        self.build = build
+        self._gen = generator
+        self._decode = decode
+        self._sampler = sampler
+        self._max_new = max_new_tokens
+        self._sessions: dict[str, Any] = {}
+
+    def open(self, key: str, task_id: str, prompt_ids: list[int], observation: str) -> None:
+        """Open a generator session on the rendered prompt."""
+        self._sessions[key] = self._gen.open_session(list(prompt_ids))
+
+    def extend(self, key: str, observation: str, observation_ids: list[int]) -> None:
+        """Append the observation delta; only these ids are prefilled next time."""
+        self._gen.extend(self._sessions[key], list(observation_ids))
+
+    def act(self, keys: Sequence[str]) -> list[ActionSample]:
+        """Generate one action for every live episode in one batch."""
+        gens = self._gen.generate_batch([self._sessions[k] for k in keys], self._sampler,
+                                        max_new_tokens=self._max_new)
+        out = []
+        for g in gens:
+            ids = list(g.action_token_ids)
+            out.append(ActionSample(self._decode(ids), ids, list(g.behavior_logprobs),
+                                    list(g.raw_model_logprobs), g.finish_reason))
+        return out
+
+    def close(self, key: str) -> None:
+        """Close the session (frees its KV cache)."""
+        session = self._sessions.pop(key, None)
+        if session is not None:
+            self._gen.close(session)

@@ -4,7 +4,8 @@ Each grader kind re-parses the final files itself; nothing the agent wrote is tr
 output of the visible ``check.py``, not any claim in ``finish``). ``grade(checks, files)``
 dispatches on ``checks["kind"]``:
 
-- ``json_equal``: ``path`` parses as JSON and strictly equals ``expected``.
+- ``json_equal``: ``path`` parses as JSON (duplicate keys rejected) and strictly equals
+  ``expected``.
 - ``schema_records``: ``path`` parses, every record validates against ``schema`` (this module's
   own validator) and the records strictly equal ``expected``.
 - ``ini_equal``: ``path`` parses (strict ``configparser``: no duplicate sections or keys) and
@@ -62,6 +63,24 @@ def strict_equal(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
+class _DuplicateKeyError(ValueError):
+    pass
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKeyError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+def loads_strict(text: str) -> Any:
+    """``json.loads`` that rejects duplicate object keys (ambiguous JSON is not accepted)."""
+    return json.loads(text, object_pairs_hook=_no_duplicates)
+
+
 def _read(files: Mapping[str, str], path: str) -> str | None:
     text = files.get(path)
     return text if isinstance(text, str) else None
@@ -73,7 +92,7 @@ def grade_json_equal(checks: Mapping[str, Any], files: Mapping[str, str]) -> Gra
     if text is None:
         return GradeResult(False, f"{checks['path']} is missing")
     try:
-        value = json.loads(text)
+        value = loads_strict(text)
     except ValueError as exc:
         return GradeResult(False, f"invalid JSON: {exc}")
     if not strict_equal(value, checks["expected"]):
@@ -114,7 +133,7 @@ def grade_schema_records(checks: Mapping[str, Any], files: Mapping[str, str]) ->
     if text is None:
         return GradeResult(False, f"{checks['path']} is missing")
     try:
-        records = json.loads(text)
+        records = loads_strict(text)
     except ValueError as exc:
         return GradeResult(False, f"invalid JSON: {exc}")
     if not isinstance(records, list):

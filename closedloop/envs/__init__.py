@@ -1,0 +1,72 @@
+"""Environments: the ``AgentEnv`` contract, the terminal-repair environment, its sandbox and
+tools, exported-state decoding for the verifier, and ``check_env``.
+
+Importing this package has no side effects (the sandbox probes ``unshare`` on first use only).
+"""
+
+from closedloop.envs.check import (
+    EnvCheckReport,
+    check_env,
+    check_fork_isolation,
+    check_reset,
+    check_steps,
+    random_actions,
+    replay_property,
+)
+from closedloop.envs.errors import (
+    EnvCheckError,
+    EnvError,
+    EnvNotResetError,
+    EpisodeDoneError,
+    EpisodeNotDoneError,
+    ForkIsolationError,
+    ReplayMismatchError,
+    ResetNondeterminismError,
+    SandboxCommandError,
+    SandboxInfraError,
+    SealedSnapshotError,
+    StateDecodeError,
+    StepNondeterminismError,
+    TaskError,
+    UnknownSnapshotError,
+    WorkspaceLimitError,
+    WorkspacePathError,
+)
+from closedloop.envs.protocol import AgentEnv
+from closedloop.envs.sandbox import CommandResult, SandboxConfig, run_command
+from closedloop.envs.task import HiddenGrader, TaskBundle, TaskSpec
+from closedloop.envs.terminal import (
+    ENV_VERSION,
+    EnvConfig,
+    TerminalRepairEnv,
+    decode_sealed,
+    validate_spec,
+)
+from closedloop.envs.tools import TOOLS, tool_schemas
+from closedloop.envs.workspace import (
+    RESERVED_PREFIXES,
+    ExportedState,
+    WorkspaceLimits,
+    WorkspaceState,
+    decode_state,
+    normalize_path,
+)
+
+# contract and tasks
+__all__ = ["AgentEnv", "HiddenGrader", "TaskBundle", "TaskSpec"]
+# the terminal-repair environment
+__all__ += ["ENV_VERSION", "EnvConfig", "TerminalRepairEnv", "validate_spec"]
+# state export (what the verifier reads)
+__all__ += ["ExportedState", "WorkspaceState", "decode_sealed", "decode_state"]
+# workspace, tools and sandbox
+__all__ += ["RESERVED_PREFIXES", "TOOLS", "CommandResult", "SandboxConfig", "WorkspaceLimits",
+            "normalize_path", "run_command", "tool_schemas"]
+# checker
+__all__ += ["EnvCheckReport", "check_env", "check_fork_isolation", "check_reset", "check_steps",
+            "random_actions", "replay_property"]
+# errors
+__all__ += ["EnvCheckError", "EnvError", "EnvNotResetError", "EpisodeDoneError",
+            "EpisodeNotDoneError", "ForkIsolationError", "ReplayMismatchError",
+            "ResetNondeterminismError", "SandboxCommandError", "SandboxInfraError",
+            "SealedSnapshotError", "StateDecodeError", "StepNondeterminismError", "TaskError",
+            "UnknownSnapshotError", "WorkspaceLimitError", "WorkspacePathError"]

@@ -58,7 +58,7 @@ class Renderer(Protocol):
 class Scorer(Protocol):
     """The verifier's clean-room entry point."""
 
-    version: str
+    verifier_version: str
 
     def score_or_quarantine(self, task_id: str, final_state: bytes) -> Any:
         """Return an object with ``reward`` (dict or None) and ``quarantine_reason``."""
@@ -313,7 +313,7 @@ class Collector:
             t0 = time.perf_counter()
             result = self.scorer.score_or_quarantine(ep.lease.task_id, ep.env.export_state())
             reward, quarantine = result.reward, result.quarantine_reason
-            verifier_version = self.scorer.version
+            verifier_version = self.scorer.verifier_version
             _add(ep.timings, "verify_s", time.perf_counter() - t0)
         m = self.manifest
         traj = TrajectoryRecord(

@@ -1,0 +1,117 @@
+"""The collector on the real environment and verifier: leases, threading, censoring."""
+
+import pytest
+
+from closedloop.contracts import (
+    Action,
+    SamplerConfig,
+    Termination,
+    TraceWriter,
+    load_episodes,
+)
+from closedloop.envs.tasks.registry import get_bundle, list_tasks
+from closedloop.policy import ChatRenderer, HFGenerator, build_tiny_model, load_embedded_tokenizer
+from closedloop.policy.weights import weights_checksum
+from closedloop.runtime import (
+    AGENT_TOOLS,
+    SYSTEM_PROMPT,
+    CollectorParts,
+    build_manifest,
+    make_collector,
+)
+from closedloop.rollout.source import GeneratorSource, ScriptedSource
+from closedloop.verify.verifier import Verifier
+
+
+class GoldPolicy:
+    """Plays a task's gold actions in order (the expert's core, without recovery)."""
+
+    def __init__(self, task_id):
+        self.actions = list(get_bundle(task_id).grader.gold_actions)
+
+    def act(self, observation):
+        return self.actions.pop(0) if self.actions else Action.finish()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_embedded_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def renderer(tokenizer):
+    return ChatRenderer(tokenizer, SYSTEM_PROMPT, list(AGENT_TOOLS))
+
+
+def manifest_for(renderer, checksum, max_action_tokens=48, sampler=None):
+    from closedloop.contracts import sha256_hex
+    return build_manifest(policy_version="v0000", weight_checksum=checksum,
+                          tokenizer_revision=sha256_hex("tok"), renderer=renderer,
+                          sampler=sampler or SamplerConfig(), step_budget=8,
+                          max_action_tokens=max_action_tokens, model_id="test")
+
+
+def test_scripted_gold_groups_succeed_and_thread(tmp_path, renderer):
+    from closedloop.contracts import sha256_hex
+    manifest = manifest_for(renderer, sha256_hex("scripted"))
+    source = ScriptedSource(lambda task_id, key: GoldPolicy(task_id), renderer.encode)
+    trace = tmp_path / "trace.jsonl"
+    tasks = [t for t in list_tasks(split="heldout")][::4][:4]
+    with TraceWriter(trace) as writer:
+        parts = CollectorParts(renderer, Verifier(), "run-test", writer, max_turns=8)
+        collector = make_collector(source, manifest, parts)
+        leases = [collector.make_lease(f"g{i}", t, 11, 2) for i, t in enumerate(tasks)]
+        groups = collector.collect(leases)
+    assert [len(g.episodes) for g in groups] == [2] * len(tasks)
+    for group in groups:
+        for ep in group.episodes:
+            traj = ep.trajectory
+            assert traj.termination == Termination.AGENT_FINISH
+            assert traj.reward is not None and traj.reward["task_success"] == 1.0
+            assert traj.base_snapshot_id == group.lease.base_snapshot_id
+    # the trace alone rebuilds every episode, and the threading is exact
+    leases, episodes = load_episodes(trace)
+    assert len(leases) == len(tasks) and len(episodes) == 2 * len(tasks)
+    for ep in episodes:
+        context = list(ep.turns[0].prompt_token_ids)
+        for t in ep.turns:
+            assert ep.context_token_ids(t.turn) == context
+            context += t.action_token_ids
+            context += renderer.render_observation(t.observation,
+                                                   turn_closed=renderer.turn_closed(
+                                                       t.action_token_ids))
+
+
+def test_tiny_model_episodes_are_censored_not_zero(tmp_path, tokenizer, renderer):
+    model = build_tiny_model(tokenizer, seed=0)
+    checksum = weights_checksum(model)
+    sampler = SamplerConfig(temperature=0.7, top_p=0.9)
+    manifest = manifest_for(renderer, checksum, max_action_tokens=6, sampler=sampler)
+    gen = HFGenerator(model, tokenizer, weight_checksum=checksum, seed=0)
+    source = GeneratorSource(gen, renderer.action_text, sampler, 6, "hf-test")
+    trace = tmp_path / "trace.jsonl"
+    task = list_tasks(split="train")[0]
+    with TraceWriter(trace) as writer:
+        collector = make_collector(source, manifest,
+                                   CollectorParts(renderer, Verifier(), "run-t", writer, 8))
+        leases = [collector.make_lease("g0", task, 11, 3), collector.make_lease("g1", task, 22, 2)]
+        groups = collector.collect(leases)
+    episodes = [ep for g in groups for ep in g.episodes]
+    assert len(episodes) == 5
+    for ep in episodes:
+        traj = ep.trajectory
+        # a random tiny model never closes a call within 6 tokens: censored, never scored 0
+        assert traj.termination == Termination.MAX_TOKEN_TRUNCATION
+        assert traj.reward is None
+        assert traj.behavior_policy_version == "v0000"
+        for t in ep.turns:
+            assert len(t.behavior_logprobs) == len(t.action_token_ids)
+            assert t.raw_model_logprobs is not None
+            assert t.sampler_config == sampler
+    # siblings share task, seed, base snapshot, manifest and sampler
+    for g in groups:
+        keys = {(e.trajectory.task_id, e.trajectory.seed, e.trajectory.base_snapshot_id,
+                 e.trajectory.policy_manifest_hash, e.trajectory.sampler_config)
+                for e in g.episodes}
+        assert len(keys) == 1
+    load_episodes(trace)

@@ -12,6 +12,7 @@ from closedloop.contracts import (
 from closedloop.envs.tasks.registry import get_bundle, list_tasks
 from closedloop.policy import ChatRenderer, HFGenerator, build_tiny_model, load_embedded_tokenizer
 from closedloop.policy.weights import weights_checksum
+from closedloop.rollout.source import GeneratorSource, ScriptedSource
 from closedloop.runtime import (
     AGENT_TOOLS,
     SYSTEM_PROMPT,
@@ -19,7 +20,6 @@ from closedloop.runtime import (
     build_manifest,
     make_collector,
 )
-from closedloop.rollout.source import GeneratorSource, ScriptedSource
 from closedloop.verify.verifier import Verifier
 
 

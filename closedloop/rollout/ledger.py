@@ -14,7 +14,8 @@ losses and incomplete groups are counted separately.
 
 Crash-safe consumption protocol (the trainer checkpoint is the commit point)
 -----------------------------------------------------------------------------
-1. The trainer takes ``admitted`` groups and applies the update in memory.
+1. The trainer takes ``admitted`` groups, checks them with :meth:`Ledger.require_admitted`
+   and applies the update in memory.
 2. It writes the checkpoint atomically (``closedloop.learn.checkpoint.save_checkpoint``): the
    cumulative ``consumed_group_ids``, ``optimizer_step`` and ``output_policy_version`` commit
    together with the weights in one directory rename.
@@ -29,7 +30,11 @@ are never re-applied). If the newest checkpoint is lost or corrupt and the train
 an older one, groups the ledger marked ``consumed`` at a later step were applied to weights that
 no longer exist: reconciliation returns them to ``admitted`` so they are applied exactly once
 more. A ``consumed`` group at or before the checkpoint's step that the checkpoint does not hold
-cannot arise under this protocol and raises :class:`LedgerInconsistencyError`.
+cannot arise under this protocol and raises :class:`LedgerInconsistencyError`. The same
+reconciliation also makes the opposite order (ledger first, then checkpoint) safe; the chosen
+order keeps the ledger from ever claiming more than the committed weights hold, except after a
+fall-back to an older checkpoint. If ``mark_consumed`` raises after a checkpoint committed, the
+trainer must stop (or reconcile) before taking more groups.
 """
 
 from __future__ import annotations
@@ -49,23 +54,10 @@ from closedloop.contracts.hashing import canonical_json, content_hash
 from closedloop.contracts.records import GroupLease, TrajectoryRecord
 
 __all__ = [
-    "GROUP_STATES",
-    "SCHEMA_VERSION",
-    "DuplicateConsumptionError",
-    "DuplicateGroupError",
-    "ExactlyOnceReport",
-    "GroupRow",
-    "GroupState",
-    "GroupSummary",
-    "IllegalTransitionError",
-    "Ledger",
-    "LedgerCounts",
-    "LedgerError",
-    "LedgerEvent",
-    "LedgerInconsistencyError",
-    "LedgerSchemaError",
-    "ReconcileReport",
-    "UnknownGroupError",
+    "GROUP_STATES", "SCHEMA_VERSION", "DuplicateConsumptionError", "DuplicateGroupError",
+    "ExactlyOnceReport", "GroupRow", "GroupState", "GroupSummary", "IllegalTransitionError",
+    "Ledger", "LedgerCounts", "LedgerError", "LedgerEvent", "LedgerInconsistencyError",
+    "LedgerSchemaError", "ReconcileReport", "UnknownGroupError",
 ]
 
 SCHEMA_VERSION = 1
@@ -80,34 +72,19 @@ _LEGAL: frozenset[tuple[str, str]] = frozenset({
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS groups (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    group_id TEXT NOT NULL UNIQUE,
-    run_id TEXT NOT NULL,
-    task_id TEXT NOT NULL,
-    behavior_policy_version TEXT NOT NULL,
-    lease_json TEXT NOT NULL,
-    lease_hash TEXT NOT NULL,
-    summary_json TEXT NOT NULL,
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, group_id TEXT NOT NULL UNIQUE,
+    run_id TEXT NOT NULL, task_id TEXT NOT NULL, behavior_policy_version TEXT NOT NULL,
+    lease_json TEXT NOT NULL, lease_hash TEXT NOT NULL, summary_json TEXT NOT NULL,
     state TEXT NOT NULL CHECK (state IN
         ('collected', 'admitted', 'consumed', 'quarantined', 'discarded')),
-    reason TEXT,
-    consumed_step INTEGER,
-    output_policy_version TEXT,
-    created_at REAL NOT NULL,
-    updated_at REAL NOT NULL
-);
+    reason TEXT, consumed_step INTEGER, output_policy_version TEXT,
+    created_at REAL NOT NULL, updated_at REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS groups_state ON groups (state);
 CREATE TABLE IF NOT EXISTS events (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    group_id TEXT NOT NULL,
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, group_id TEXT NOT NULL,
     kind TEXT NOT NULL CHECK (kind IN ('transition', 'rejected', 'reconciled')),
-    from_state TEXT,
-    to_state TEXT,
-    reason TEXT,
-    optimizer_step INTEGER,
-    output_policy_version TEXT,
-    at REAL NOT NULL
-);
+    from_state TEXT, to_state TEXT, reason TEXT, optimizer_step INTEGER,
+    output_policy_version TEXT, at REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS events_group ON events (group_id);
 """
 
@@ -417,6 +394,24 @@ class Ledger:
                 or optimizer_step < 0:
             raise LedgerError(f"optimizer_step must be an int >= 0, got {optimizer_step!r}")
         self._transition(ids, "consumed", None, optimizer_step, output_policy_version)
+
+    def require_admitted(self, group_ids: Iterable[str]) -> None:
+        """Check, before applying an update, that every group is ``admitted`` (read only).
+
+        Raises (and logs) ``DuplicateConsumptionError`` for a group already consumed, so a
+        duplicate is refused before it reaches the gradient, not only when it is marked.
+        """
+        with self._lock:
+            states = {g: _state_of(self._conn.cursor(), g) for g in group_ids}
+        for gid, state in states.items():
+            if state is None:
+                raise UnknownGroupError(f"group {gid!r} is not in the ledger")
+            if state != "admitted":
+                cls = (DuplicateConsumptionError if state == "consumed"
+                       else IllegalTransitionError)
+                self._log_rejected([gid], "duplicate_consumption" if state == "consumed"
+                                   else "illegal_transition", "consumed")
+                raise cls(gid, state, "consumed")
 
     def _transition(self, ids: Sequence[str], to_state: GroupState, reason: str | None,
                     step: int | None = None, version: str | None = None) -> None:

@@ -140,6 +140,7 @@ def _child_main(workdir: str, crash_at: str) -> None:
     ledger.reconcile_with_checkpoint(consumed, step, version_name(step))
     print("ready", flush=True)
     while batch := ledger.group_ids("admitted")[:BATCH]:
+        ledger.require_admitted(batch)
         for gid in batch:
             acc[int(gid[1:])] += 1.0  # the "update": count applications per group
         step += 1

@@ -78,6 +78,21 @@ def test_consuming_twice_raises_and_is_counted(ledger: Ledger) -> None:
     assert ledger.counts().duplicates_rejected == 2
 
 
+def test_require_admitted_refuses_before_the_gradient(ledger: Ledger) -> None:
+    admitted(ledger, "a", "b")
+    collected(ledger, "c")
+    ledger.require_admitted(["a", "b"])
+    ledger.mark_consumed(["a"], 1, "v0001")
+    with pytest.raises(DuplicateConsumptionError):
+        ledger.require_admitted(["b", "a"])
+    with pytest.raises(IllegalTransitionError):
+        ledger.require_admitted(["c"])
+    with pytest.raises(UnknownGroupError):
+        ledger.require_admitted(["zzz"])
+    assert ledger.counts().duplicate_consumptions_rejected == 1
+    assert ledger.get("b").state == "admitted"
+
+
 def test_batch_is_all_or_nothing(ledger: Ledger) -> None:
     admitted(ledger, "a", "b")
     collected(ledger, "c")  # not admitted yet

@@ -33,6 +33,7 @@ import itertools
 import json
 import os
 import re
+import shutil
 import tempfile
 import threading
 import time
@@ -224,8 +225,9 @@ class WorkerAck:
 class PolicyRegistry:
     """Versions on disk under ``root_dir``; see the module docstring for the protocol.
 
-    One process stages and publishes (the trainer); any number of processes may lease, load
-    and ack. Version folders are never modified after the rename that creates them.
+    One process stages and publishes (the trainer; staging deletes leftovers of a crashed
+    stage); any number of processes may lease, load and ack. Version folders are never
+    modified after the rename that creates them.
     """
 
     def __init__(self, root_dir: str | Path) -> None:
@@ -279,13 +281,18 @@ class PolicyRegistry:
             checksum = state_dict_checksum(load_safetensors(payload))
             manifest = _manifest_for(manifest_template, version, checksum, kind)
             final = self.root / "versions" / version
+            _clear_staging(self.root / "staging")
             tmp = Path(tempfile.mkdtemp(prefix=f"{version}-", dir=self.root / "staging"))
-            write_durably(tmp / _FILES[kind], payload)
-            write_durably(tmp / "manifest.json", canonical_json(manifest.to_dict()).encode())
-            write_durably(tmp / "checksum", checksum.encode())
-            _verify_folder(tmp, checksum)
-            fsync_dir(tmp)
-            os.rename(tmp, final)
+            try:
+                write_durably(tmp / _FILES[kind], payload)
+                write_durably(tmp / "manifest.json", canonical_json(manifest.to_dict()).encode())
+                write_durably(tmp / "checksum", checksum.encode())
+                _verify_folder(tmp, checksum)
+                fsync_dir(tmp)
+                os.rename(tmp, final)
+            except OSError as exc:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise RegistryError(f"could not stage {version}: {exc}") from exc
             fsync_dir(final.parent)
         return StagedVersion(version, checksum, manifest, final)
 
@@ -419,6 +426,12 @@ def _manifest_for(template: PolicyManifest, version: str, checksum: str,
         raise RegistryError("staging an adapter needs manifest_template.base_weight_checksum")
     return template.with_weights(version, combine_checksums(base, checksum),
                                  adapter_checksum=checksum)
+
+
+def _clear_staging(staging: Path) -> None:
+    """Delete what a crashed stage left behind (one stager per registry is assumed)."""
+    for leftover in staging.iterdir():
+        shutil.rmtree(leftover, ignore_errors=True)
 
 
 def _kind_of(folder: Path) -> WeightsKind:

@@ -186,6 +186,7 @@ def test_partial_staging_leftovers_are_ignored(reg: PolicyRegistry) -> None:
     (junk / "weights.safetensors").write_bytes(b"half")
     assert reg.versions() == []
     assert reg.stage(weights(0), template()).version == "v0000"
+    assert not junk.exists()
 
 
 def test_readers_never_see_a_partial_active_pointer(reg: PolicyRegistry) -> None:

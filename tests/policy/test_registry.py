@@ -213,3 +213,51 @@ def test_readers_never_see_a_partial_active_pointer(reg: PolicyRegistry) -> None
     stop.set()
     t.join()
     assert errors == [] and seen <= set(versions)
+
+
+def _child_publish_forever(root: str) -> None:
+    """Stage and publish ~8 MB versions in a loop until killed."""
+    reg = PolicyRegistry(root)
+    print("ready", flush=True)
+    for _ in range(10_000):
+        existing = reg.versions()
+        index = version_index(existing[-1]) + 1 if existing else 0
+        staged = reg.stage({"w": torch.full((2_000_000,), float(index))}, template(),
+                           version=version_name(index))
+        reg.ack("gen-0", staged.version, staged.checksum)
+        reg.publish(staged.version, require_acks_from=["gen-0"])
+
+
+@pytest.mark.slow
+def test_sigkill_during_stage_or_publish_leaves_only_verified_versions(tmp_path: Path) -> None:
+    import random
+    import signal
+    import subprocess
+    import sys
+
+    rng = random.Random(7)
+    root = tmp_path / "registry"
+    for _ in range(3):
+        with subprocess.Popen([sys.executable, __file__, str(root)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) as proc:
+            assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+            try:
+                proc.wait(timeout=rng.uniform(0.2, 0.8))
+            except subprocess.TimeoutExpired:
+                proc.send_signal(signal.SIGKILL)
+            _, err = proc.communicate(timeout=60)
+            assert proc.returncode == -signal.SIGKILL, err
+        reg = PolicyRegistry(root)
+        for version in reg.versions():  # every visible version is complete and verified
+            assert reg.verify(version) == reg.manifest(version).weight_checksum
+        active = reg.active()
+        if active is not None:
+            w = reg.load_state_dict(active.version)["w"]
+            assert torch.all(w == float(version_index(active.version)))
+            assert active.version in reg.versions()
+
+
+if __name__ == "__main__":
+    import sys
+
+    _child_publish_forever(sys.argv[1])

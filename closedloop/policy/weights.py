@@ -29,7 +29,7 @@ HASH_PREFIX = "sha256:"
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """Return the raw bytes of ``t`` (detached, CPU, C-contiguous), copying only if needed."""
     flat = t.detach().to("cpu").contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy())
+    return flat.view(torch.uint8).numpy().data
 
 
 def checksum_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> str:

@@ -1,0 +1,198 @@
+"""HF generator: stops, KV reuse == re-prefill, trainer-path recompute, behaviour log-probs."""
+
+import numpy as np
+import pytest
+import torch
+
+from closedloop.contracts import SamplerConfig
+from closedloop.policy import (
+    GenerationError,
+    Generator,
+    HFGenerator,
+    LogprobInputError,
+    StopMatcher,
+    sequence_logprobs,
+)
+
+from .test_sampling import reference_logprobs
+
+NUCLEUS = SamplerConfig(temperature=0.7, top_p=0.9)
+GREEDY = SamplerConfig(greedy=True)
+
+
+def run_episodes(gen, renderer, tasks, sampler, budgets=(6, 9, 12), seed=0):
+    """Threaded multi-turn rollout: prompt, then (action, observation delta) per turn.
+
+    Returns the sessions and, per row, a list of (action start position, Generation)."""
+    sids = gen.open_sessions([renderer.render_prompt(t) for t in tasks])
+    rng = torch.Generator().manual_seed(seed)
+    records = [[] for _ in tasks]
+    for turn, budget in enumerate(budgets):
+        starts = [len(gen.context(s)) for s in sids]
+        outs = gen.generate_batch(sids, sampler, renderer.stop_sequences, budget, rng)
+        for i, (sid, g) in enumerate(zip(sids, outs, strict=True)):
+            records[i].append((starts[i], g))
+            obs = f"observation {turn} for {tasks[i][:9]}: " + "x>" * (len(tasks[i]) % 7 + turn)
+            gen.extend(sid, renderer.render_observation(
+                obs, turn_closed=renderer.turn_closed(g.action_token_ids)))
+    return sids, records
+
+
+def right_padded(contexts):
+    t = max(map(len, contexts))
+    ids = torch.tensor([c + [0] * (t - len(c)) for c in contexts])
+    mask = torch.tensor([[1] * len(c) + [0] * (t - len(c)) for c in contexts])
+    return ids, mask
+
+
+# ---------------------------------------------------------------- stop detection
+def test_stop_matcher_on_any_split_of_the_stop_sequence(tokenizer, renderer):
+    m = StopMatcher(tokenizer, ["</tool_call>"], renderer.stop_token_ids)
+    canonical = renderer.encode('{"name": "finish"}</tool_call>')
+    odd = [i for piece in ['{"name": "finish"}', "</t", "ool", "_ca", "ll", ">"]
+           for i in renderer.encode(piece)]
+    for ids in (canonical, odd):
+        assert [m.check(ids[:n]) for n in range(1, len(ids))] == [None] * (len(ids) - 1)
+        assert m.check(ids) == "stop"
+    assert m.check([*canonical[:-1], renderer.im_end_id]) == "eos"
+    assert m.check(renderer.encode("</tool_call")) is None
+    with pytest.raises(GenerationError):
+        StopMatcher(tokenizer, [""], [])
+
+
+def test_generation_stops_at_first_stop_sequence_and_eos(tiny_model, tokenizer, renderer):
+    gen = HFGenerator(tiny_model, tokenizer)
+    prompt = renderer.render_prompt("Repair a.json")
+    free = gen.generate(prompt, GREEDY, [], 12, seed=0)
+    assert free.finish_reason == "length" and len(free.action_token_ids) == 12
+    stop = tokenizer.decode(free.action_token_ids[3:5])
+    stopped = gen.generate(prompt, GREEDY, [stop], 12, seed=0)
+    n = len(stopped.action_token_ids)
+    assert stopped.finish_reason == "stop" and n <= 5
+    assert stopped.action_token_ids == free.action_token_ids[:n]
+    assert stop in tokenizer.decode(stopped.action_token_ids)
+    assert stop not in tokenizer.decode(stopped.action_token_ids[:-1])
+    eos_gen = HFGenerator(tiny_model, tokenizer, stop_token_ids=[free.action_token_ids[2]])
+    first = free.action_token_ids.index(free.action_token_ids[2]) + 1
+    ended = eos_gen.generate(prompt, GREEDY, [], 12, seed=0)
+    assert ended.finish_reason == "eos" and ended.action_token_ids == free.action_token_ids[:first]
+
+
+# ---------------------------------------------------------------- KV reuse
+def test_kv_reuse_equals_reprefill(tiny_model, tokenizer, renderer):
+    tasks = ["Repair a.json", "Repair a.json", "Fix the CLI flags in tool.py", "b"]
+    reuse = HFGenerator(tiny_model, tokenizer)
+    full = HFGenerator(tiny_model, tokenizer, reprefill=True)
+    _, rec_a = run_episodes(reuse, renderer, tasks, NUCLEUS)
+    _, rec_b = run_episodes(full, renderer, tasks, NUCLEUS)
+    worst = 0.0
+    for row_a, row_b in zip(rec_a, rec_b, strict=True):
+        for (start_a, a), (start_b, b) in zip(row_a, row_b, strict=True):
+            assert start_a == start_b and a.action_token_ids == b.action_token_ids
+            for x, y in ((a.raw_model_logprobs, b.raw_model_logprobs),
+                         (a.behavior_logprobs, b.behavior_logprobs)):
+                worst = max(worst, float(np.abs(np.subtract(x, y)).max()))
+    assert worst < 1e-4
+    # reuse prefills only new ids; identical turn-0 prompts (rows 0, 1) are prefilled once
+    assert reuse.stats.prefill_tokens < full.stats.prefill_tokens / 2
+    assert reuse.stats.decode_tokens == full.stats.decode_tokens
+
+
+def test_batched_rows_equal_single_rows(peaked_model, tokenizer, renderer):
+    tasks = ["short", "a much longer task statement that pads the other rows " * 3, "mid task"]
+    batched = HFGenerator(peaked_model, tokenizer)
+    _, rec = run_episodes(batched, renderer, tasks, GREEDY)
+    for i, task in enumerate(tasks):
+        _, alone = run_episodes(HFGenerator(peaked_model, tokenizer), renderer, [task], GREEDY)
+        for (_, a), (_, b) in zip(rec[i], alone[0], strict=True):
+            assert a.action_token_ids == b.action_token_ids
+            assert np.allclose(a.raw_model_logprobs, b.raw_model_logprobs, atol=1e-4)
+
+
+# ---------------------------------------------------------------- trainer path
+def test_trainer_recompute_matches_recorded_raw_logprobs(tiny_model, tokenizer, renderer):
+    gen = HFGenerator(tiny_model, tokenizer)
+    sids, rec = run_episodes(gen, renderer, ["Repair a.json", "Fix b", "c"], NUCLEUS)
+    ids, mask = right_padded([gen.context(s) for s in sids])
+    with torch.no_grad():
+        lp = sequence_logprobs(tiny_model, ids, mask)  # lp[:, t] scores ids[:, t + 1]
+    worst, n = 0.0, 0
+    for i, row in enumerate(rec):
+        assert len(row) == 3
+        for start, g in row:
+            k = len(g.action_token_ids)
+            assert ids[i, start:start + k].tolist() == g.action_token_ids
+            got = lp[i, start - 1:start - 1 + k]
+            worst = max(worst, float((got - torch.tensor(g.raw_model_logprobs)).abs().max()))
+            n += k
+    assert n > 20 and worst < 1e-4
+    # a one-token shift is caught: scoring the same ids one position late is far off
+    start, g = rec[0][1]
+    late = lp[0, start:start + len(g.action_token_ids)]
+    assert float((late - torch.tensor(g.raw_model_logprobs)).abs().max()) > 1e-2
+
+
+def test_behavior_logprobs_are_the_transformed_distribution(peaked_model, tokenizer, renderer):
+    gen = HFGenerator(peaked_model, tokenizer)
+    sids, rec = run_episodes(gen, renderer, ["Repair a.json", "Fix b"], NUCLEUS)
+    gaps = []
+    for sid, row in zip(sids, rec, strict=True):
+        ctx = torch.tensor([gen.context(sid)])
+        with torch.no_grad():
+            logits_T_V = peaked_model(ctx).logits[0].double()
+        for start, g in row:
+            for k, (tok, beh, raw) in enumerate(zip(g.action_token_ids, g.behavior_logprobs,
+                                                    g.raw_model_logprobs, strict=True)):
+                want = reference_logprobs(logits_T_V[start - 1 + k].numpy(), NUCLEUS)[tok]
+                assert beh == pytest.approx(want, abs=1e-4)
+                gaps.append(abs(beh - raw))
+    assert max(gaps) > 0.1  # the raw model distribution is not the sampler's
+
+
+def test_sequence_logprobs_padding_and_targets(tiny_model):
+    torch.manual_seed(0)
+    a, b = torch.randint(0, 49152, (7,)).tolist(), torch.randint(0, 49152, (4,)).tolist()
+    ids_r, mask_r = right_padded([a, b])
+    ids_l = torch.tensor([a, [0] * 3 + b])
+    mask_l = torch.tensor([[1] * 7, [0] * 3 + [1] * 4])
+    with torch.no_grad():
+        lp_r = sequence_logprobs(tiny_model, ids_r, mask_r)
+        lp_l = sequence_logprobs(tiny_model, ids_l, mask_l)
+        only = torch.zeros(2, 6)
+        only[0, 2] = 1
+        lp_t = sequence_logprobs(tiny_model, ids_r, mask_r, target_mask_B_T=only)
+    assert lp_r.shape == (2, 6)
+    assert torch.allclose(lp_r[0], lp_l[0], atol=1e-5)
+    assert torch.allclose(lp_r[1, :3], lp_l[1, 3:], atol=1e-5)
+    assert lp_r[1, 3:].abs().sum() == 0 and lp_l[1, :3].abs().sum() == 0
+    assert lp_t[0, 2] == pytest.approx(float(lp_r[0, 2]), abs=1e-6)
+    assert lp_t.count_nonzero() == 1
+    with pytest.raises(LogprobInputError):
+        sequence_logprobs(tiny_model, ids_r, torch.tensor([[1, 0, 1, 1, 1, 1, 1]] * 2))
+
+
+# ---------------------------------------------------------------- sessions
+def test_protocol_seed_fork_refresh_and_errors(tiny_model, tokenizer, renderer):
+    gen = HFGenerator(tiny_model, tokenizer)
+    assert isinstance(gen, Generator) and gen.weight_checksum.startswith("sha256:")
+    prompt = renderer.render_prompt("Repair a.json")
+    a = gen.generate(prompt, NUCLEUS, renderer.stop_sequences, 8, seed=5)
+    assert a == gen.generate(prompt, NUCLEUS, renderer.stop_sequences, 8, seed=5)
+    sid = gen.open_session(prompt)
+    gen.generate_batch([sid], NUCLEUS, max_new_tokens=4)
+    twin = gen.fork(sid)
+    assert gen.context(twin) == gen.context(sid)
+    before = gen.stats.prefill_tokens
+    gen.refresh_weights()
+    out = gen.generate_batch([sid], GREEDY, max_new_tokens=2)
+    assert gen.stats.prefill_tokens - before == len(prompt) + 4  # whole context re-prefilled
+    assert len(out[0].action_token_ids) == 2
+    gen.close(twin)
+    with pytest.raises(GenerationError):
+        gen.extend(twin, [1])
+    with pytest.raises(GenerationError):
+        gen.open_sessions([[]])
+    with pytest.raises(GenerationError):
+        gen.extend(sid, [10**6])
+    with pytest.raises(GenerationError):
+        gen.generate_batch([sid, sid], GREEDY, max_new_tokens=2)

@@ -164,9 +164,9 @@ def _merge_metrics(outputs: list[tuple[ObjectiveOutput, int]]) -> Metrics:
             merged[key] = None
         elif key.startswith(("batch/", "grad_mass/")) or key in ("losses/loss",
                                                                  "losses/pg_loss", "losses/kl"):
-            merged[key] = sum(float(v) for v, _ in present)  # type: ignore[arg-type]
+            merged[key] = sum(float(v) for v, _ in present)  # type: ignore[arg-type,misc]
         else:
-            merged[key] = (sum(float(v) * n for v, n in present)  # type: ignore[arg-type]
+            merged[key] = (sum(float(v) * n for v, n in present)  # type: ignore[arg-type,misc]
                            / sum(n for _, n in present))
     merged["batch/micro_batches"] = len(outputs)
     return merged

@@ -58,7 +58,10 @@ class Renderer(Protocol):
 class Scorer(Protocol):
     """The verifier's clean-room entry point."""
 
-    verifier_version: str
+    @property
+    def verifier_version(self) -> str:
+        """The verifier's version string."""
+        ...
 
     def score_or_quarantine(self, task_id: str, final_state: bytes) -> Any:
         """Return an object with ``reward`` (dict or None) and ``quarantine_reason``."""

@@ -1,0 +1,192 @@
+"""The ``closedloop`` command. Every subcommand takes ``--json`` for machine-readable output."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from closedloop.contracts import ClosedloopError
+
+
+def _print(data: Any, as_json: bool, text: str) -> None:
+    print(json.dumps(data, indent=2, sort_keys=True, default=str) if as_json else text)
+
+
+def cmd_tasks(args: argparse.Namespace) -> int:
+    """List tasks or show one (the hidden grader is never shown)."""
+    from closedloop.envs.tasks.registry import get_spec, list_tasks
+
+    if args.action == "list":
+        ids = list_tasks(split=args.split) if args.split else list_tasks()
+        rows = [{"id": t, "family": get_spec(t).family, "split": get_spec(t).split} for t in ids]
+        text = "\n".join(f"{r['split']:8} {r['family']:18} {r['id']}" for r in rows)
+        _print(rows, args.json, text + f"\n{len(rows)} tasks")
+        return 0
+    if not args.task_id:
+        raise SystemExit("tasks show needs a TASK_ID")
+    spec = get_spec(args.task_id)
+    data = {"id": spec.task_id, "family": spec.family, "template": spec.template,
+            "split": spec.split, "objective": spec.objective,
+            "allowed_tools": list(spec.allowed_tools), "commands": dict(spec.commands),
+            "protected_paths": list(spec.protected_paths), "step_budget": spec.step_budget,
+            "files": dict(spec.initial_files)}
+    text = "\n".join([f"{spec.task_id}  ({spec.family}, {spec.split})", spec.objective,
+                      f"tools: {', '.join(spec.allowed_tools)}; commands: "
+                      f"{', '.join(spec.commands)}; budget {spec.step_budget} steps",
+                      *(f"--- {p}\n{c}" for p, c in spec.initial_files.items())])
+    _print(data, args.json, text)
+    return 0
+
+
+def _scripted_policy(kind: str, task_id: str, seed: int) -> Any:
+    from closedloop.envs.scripted import ExpertPolicy, NoisyExpertPolicy, RandomPolicy
+    from closedloop.envs.tasks.registry import get_bundle
+
+    if kind == "expert":
+        return ExpertPolicy(get_bundle(task_id))
+    if kind == "noisy":
+        return NoisyExpertPolicy(get_bundle(task_id), error_rate=0.3, seed=seed)
+    return RandomPolicy(seed=seed)
+
+
+def cmd_play(args: argparse.Namespace) -> int:
+    """Play one episode with a scripted policy, print it turn by turn, write its trace."""
+    from closedloop.contracts import SamplerConfig, TraceWriter, sha256_hex
+    from closedloop.policy import ChatRenderer, load_tokenizer
+    from closedloop.rollout.source import ScriptedSource
+    from closedloop.runtime import (
+        AGENT_TOOLS,
+        SYSTEM_PROMPT,
+        CollectorParts,
+        build_manifest,
+        make_collector,
+    )
+    from closedloop.verify.verifier import Verifier
+
+    tokenizer = load_tokenizer()
+    renderer = ChatRenderer(tokenizer, SYSTEM_PROMPT, list(AGENT_TOOLS))
+    manifest = build_manifest(policy_version=f"scripted-{args.policy}",
+                              weight_checksum=sha256_hex(f"scripted-{args.policy}"),
+                              tokenizer_revision=sha256_hex("embedded-tokenizer"),
+                              renderer=renderer, sampler=SamplerConfig(), step_budget=8,
+                              max_action_tokens=0, model_id=f"scripted-{args.policy}")
+    source = ScriptedSource(lambda task, key: _scripted_policy(args.policy, task, args.seed),
+                            renderer.encode, build=f"scripted-{args.policy}")
+    trace = Path(args.trace or f"runs/play/{int(time.time())}-{args.policy}.jsonl")
+    with TraceWriter(trace) as writer:
+        collector = make_collector(source, manifest, CollectorParts(
+            renderer, Verifier(), "play", writer, max_turns=args.max_turns))
+        lease = collector.make_lease("play", args.task_id, args.seed, 1)
+        (group,) = collector.collect([lease])
+    (ep,) = group.episodes
+    traj = ep.trajectory
+    data = {"task_id": traj.task_id, "policy": args.policy, "seed": traj.seed,
+            "termination": traj.termination.value, "reward": traj.reward,
+            "quarantine_reason": traj.quarantine_reason, "trace": str(trace),
+            "turns": [{"turn": t.turn, "action": t.action_text, "kind": t.action_kind,
+                       "error": t.observation_error, "observation": t.observation}
+                      for t in ep.turns]}
+    lines = [f"task {traj.task_id} ({args.policy}, seed {traj.seed})"]
+    for t in ep.turns:
+        lines += [f"[{t.turn}] > {t.action_text}",
+                  *("    " + line for line in t.observation.splitlines()[:12])]
+    lines += [f"termination: {traj.termination.value}", f"reward: {traj.reward}",
+              f"trace: {trace}"]
+    _print(data, args.json, "\n".join(lines))
+    return 0
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    """Re-execute a trace's recorded actions; exit 1 unless everything reproduces."""
+    from closedloop.rollout.replay import replay_trace
+    from closedloop.runtime import make_env
+    from closedloop.verify.verifier import Verifier
+
+    report = replay_trace(args.trace, make_env, Verifier())
+    data = {"trace": report.path, "ok": report.ok, **report.counts(),
+            "episodes": [e.__dict__ for e in report.episodes]}
+    lines = [f"{e.episode_id}: {'ok' if e.ok else 'MISMATCH'} "
+             f"(observations {e.observations_match}, states {e.state_hashes_match}, "
+             f"reward {e.reward_match}) {'; '.join(e.mismatches)}" for e in report.episodes]
+    c = report.counts()
+    lines.append(f"{c['reproduced']}/{c['episodes']} episodes reproduced "
+                 f"({c['turns']} turns): observations, state hashes and rewards")
+    _print(data, args.json, "\n".join(lines))
+    return 0 if report.ok else 1
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """Run (or resume) a training run from a config file."""
+    from closedloop.config import load_config
+
+    return _run_training(load_config(args.config), args)
+
+
+def cmd_smoke(args: argparse.Namespace) -> int:
+    """The smoke experiment on the embedded model with the embedded defaults."""
+    from closedloop.config import smoke_config
+
+    return _run_training(smoke_config(), args)
+
+
+def _run_training(cfg: Any, args: argparse.Namespace) -> int:
+    from closedloop.loop import train
+
+    if getattr(args, "model", None):
+        cfg = cfg.with_overrides(model=args.model)
+    run_dir = Path(args.run_dir or Path(cfg.run_dir) / time.strftime("run-%Y%m%d-%H%M%S"))
+    summary = train(cfg, run_dir)
+    text = "\n".join(f"{k}: {v}" for k, v in summary.items() if k != "seconds_by_step")
+    _print(summary, args.json, "\n== summary ==\n" + text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand."""
+    p = argparse.ArgumentParser(prog="closedloop", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("tasks", help="list or show tasks")
+    t.add_argument("action", choices=["list", "show"])
+    t.add_argument("task_id", nargs="?")
+    t.add_argument("--split", choices=["train", "heldout"])
+    t.set_defaults(fn=cmd_tasks)
+    pl = sub.add_parser("play", help="play one episode with a scripted policy")
+    pl.add_argument("task_id")
+    pl.add_argument("--policy", choices=["expert", "noisy", "random"], default="expert")
+    pl.add_argument("--seed", type=int, default=11)
+    pl.add_argument("--max-turns", type=int, default=8)
+    pl.add_argument("--trace")
+    pl.set_defaults(fn=cmd_play)
+    r = sub.add_parser("replay", help="re-execute a trace and check it reproduces")
+    r.add_argument("trace")
+    r.set_defaults(fn=cmd_replay)
+    tr = sub.add_parser("train", help="run or resume training from a YAML config")
+    tr.add_argument("config")
+    tr.add_argument("--run-dir")
+    tr.set_defaults(fn=cmd_train)
+    sm = sub.add_parser("smoke", help="the smoke experiment on the embedded model")
+    sm.add_argument("--run-dir")
+    sm.add_argument("--model", help="a local Hugging Face model folder instead")
+    sm.set_defaults(fn=cmd_smoke)
+    for sp in (t, pl, r, tr, sm):
+        sp.add_argument("--json", action="store_true", help="machine-readable output")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``closedloop`` console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.fn(args))
+    except ClosedloopError as exc:
+        print(f"closedloop: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

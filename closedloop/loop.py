@@ -1,0 +1,85 @@
+"""The reference training loop, in the order of seed 000's minimum training loop.
+
+    for task_batch in sampler:
+        behavior = registry.freeze_current()
+        groups = collector.rollout(policy=behavior, tasks=task_batch, group_size=8)
+        verified = verifier.score_in_clean_room(groups)
+        batch = validator.require_fresh_finite_complete(groups, verified)
+        advantages = rloo(batch.episode_rewards)
+        loss = reinforce_with_kl_loss(...); loss.backward(); optimizer.step()
+        registry.publish_new_checkpoint()
+
+Each line below calls the library; ``TrainingRun.rl_step`` holds the per-step sequence
+(collect → verify → admit → credit → loss → one optimizer step → checkpoint → publish).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from closedloop.config import RunConfig
+from closedloop.evaluate.heldout import EvalSummary
+from closedloop.policy.registry import version_name
+from closedloop.progress import log
+from closedloop.training import StepReport, TrainingRun, write_summary
+
+
+def train(cfg: RunConfig, run_dir: str | Path) -> dict[str, Any]:
+    """Run (or resume) a whole experiment and return its summary."""
+    run = TrainingRun(cfg, run_dir)
+    try:
+        if cfg.sft.enabled:
+            run.warm_start()  # π_ref = the warm-started policy ("initial_sft")
+        run.attach_rl_adapter()
+        if not run.resume():
+            run.publish(version_name(0))
+        start = run.evaluate("start", run.registry.manifest(version_name(0)))
+        if run.step > 0:
+            log("the start policy's evaluation was reused from its trace")
+        steps: list[StepReport] = []
+        for step in range(run.step, cfg.training.rl_steps):
+            report = run.rl_step(step)  # behaviour = registry.manifest(v_step), frozen
+            steps.append(report)
+            log(f"step {step}: success {report.mean_success}, admitted {report.admitted}/"
+                f"{report.groups} groups, zero-variance {report.zero_variance}, "
+                f"kl {report.metrics.get('losses/kl')}")
+        final_version = version_name(cfg.training.rl_steps)
+        final = run.evaluate("final", run.registry.manifest(final_version))
+        summary = summarize_run(run, start, final, steps)
+        path = write_summary(run, summary)
+        log(f"summary written to {path}")
+        return summary
+    finally:
+        run.close()
+
+
+def _ci(summary: EvalSummary) -> list[float] | None:
+    return list(summary.pass_at_1_ci) if summary.pass_at_1_ci else None
+
+
+def summarize_run(run: TrainingRun, start: EvalSummary, final: EvalSummary,
+                  steps: list[StepReport]) -> dict[str, Any]:
+    """The short summary printed at the end of a run (and kept as summary.json)."""
+    counts = run.ledger.counts()
+    return {
+        "run_dir": str(run.dir),
+        "model": run.loaded.model_id,
+        "heldout_tasks": len(run.heldout_tasks),
+        "heldout_success_start": start.pass_at_1, "heldout_success_start_ci": _ci(start),
+        "heldout_success_final": final.pass_at_1, "heldout_success_final_ci": _ci(final),
+        "pass_hat_k_start": start.pass_hat_k, "pass_hat_k_final": final.pass_hat_k,
+        "invalid_action_rate_start": start.invalid_action_rate,
+        "invalid_action_rate_final": final.invalid_action_rate,
+        "rl_steps_this_session": len(steps),
+        "train_success_by_step": [s.mean_success for s in steps],
+        "kl_by_step": [s.metrics.get("losses/kl") for s in steps],
+        "zero_variance_groups": sum(s.zero_variance for s in steps),
+        "groups_collected": sum(s.groups for s in steps),
+        "zero_variance_rate": (sum(s.zero_variance for s in steps)
+                               / max(1, sum(s.groups - s.discarded for s in steps))),
+        "ledger": {k: v for k, v in counts.__dict__.items()} if hasattr(counts, "__dict__")
+        else str(counts),
+        "sft_action_tokens": run.sft_tokens,
+        "seconds_by_step": [s.seconds for s in steps],
+    }

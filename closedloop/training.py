@@ -1,0 +1,492 @@
+"""One training run: set-up, warm start, synchronous RL steps with resume, evaluation.
+
+``TrainingRun`` owns the run directory and every part a step touches; ``closedloop.loop`` reads
+like seed 000's minimum training loop and calls its methods. A run directory holds::
+
+    config.json        the resolved config (and its hash), environment and package versions
+    template.json      the chat template's append-only check
+    tasks.json         the train/held-out ids, solvability discards and the overlap audit
+    traces/            JSONL traces: sft-demos, step-NNNN (one per RL step), eval-<label>
+    ledger.sqlite      every group exactly once: collected, admitted, consumed, quarantined
+    registry/          staged immutable policy versions, ACTIVE pointer, publish log
+    checkpoints/       atomic trainer checkpoints (adapter, optimizer, step, consumed groups)
+    sft/               the warm-start adapter (merged into the base the RL adapter sits on)
+    metrics.jsonl      one line per stage and step
+    summary.json       the final summary
+
+Resume: the latest checkpoint is the source of truth. The ledger is reconciled with it; a step
+whose trace file is complete is not collected again (its buffered groups are reused, never
+dropped or applied twice); a partial trace (``.partial``) is discarded and the step collected
+again with the same seeds and weights, so a resumed run ends with the weights of an
+uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import random
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from closedloop.config import RunConfig
+from closedloop.contracts import (
+    Episode,
+    PolicyManifest,
+    TraceWriter,
+    canonical_json,
+    content_hash,
+    load_episodes,
+)
+from closedloop.envs.scripted import NoisyExpertPolicy
+from closedloop.envs.tasks.overlap import audit_overlap
+from closedloop.envs.tasks.registry import get_bundle
+from closedloop.envs.tasks.split import build_task_sets
+from closedloop.evaluate.heldout import EvalSummary, summarize_eval
+from closedloop.learn.checkpoint import (
+    capture_rng_states,
+    load_latest,
+    restore_rng_states,
+    save_checkpoint,
+)
+from closedloop.learn.credit import group_advantages, summarize_credit
+from closedloop.learn.sft import supervised_warm_start
+from closedloop.learn.trainer import Trainer, TrainerConfig
+from closedloop.policy import ChatRenderer, HFGenerator, attach_lora, check_append_only, load_model
+from closedloop.policy.lora import policy_weight_checksum
+from closedloop.policy.registry import PolicyRegistry, RegistryError, version_index, version_name
+from closedloop.progress import Progress, log
+from closedloop.rollout.admission import AdmissionController, apply_decision
+from closedloop.rollout.collector import CollectedGroup
+from closedloop.rollout.ledger import GroupSummary, Ledger
+from closedloop.rollout.source import ActionSource, GeneratorSource, ScriptedSource
+from closedloop.rollout.tensors import build_training_batch
+from closedloop.runtime import (
+    AGENT_TOOLS,
+    SYSTEM_PROMPT,
+    CollectorParts,
+    build_manifest,
+    make_collector,
+)
+from closedloop.verify.verifier import Verifier
+
+GENERATOR_WORKER = "generator-0"
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What one RL step did (also one line of metrics.jsonl)."""
+
+    step: int
+    behavior_version: str
+    output_version: str | None
+    groups: int
+    admitted: int
+    zero_variance: int
+    discarded: int
+    mean_success: float | None
+    metrics: dict[str, Any]
+    seconds: dict[str, float]
+
+
+def _seed_all(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _git_revision() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).parent, timeout=5, check=False)
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def _versions() -> dict[str, str]:
+    import peft
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__,
+            "peft": peft.__version__, "python": platform.python_version(),
+            "machine": f"{platform.machine()} {os.cpu_count()} cpus"}
+
+
+class TrainingRun:
+    """The state of one run (see the module docstring)."""
+
+    def __init__(self, cfg: RunConfig, run_dir: str | Path) -> None:
+        self.cfg = cfg
+        self.dir = Path(run_dir)
+        for sub in ("traces", "checkpoints", "sft"):
+            (self.dir / sub).mkdir(parents=True, exist_ok=True)
+        self._write_json("config.json", {"config": cfg.to_dict(), "config_hash": cfg.config_hash(),
+                                         "git_revision": _git_revision(),
+                                         "versions": _versions()})
+        self.run_id = f"{self.dir.name}"
+        self.metrics_path = self.dir / "metrics.jsonl"
+        _seed_all(cfg.training.seed)
+        self._build_tasks()
+        self._load_policy()
+        self.verifier = Verifier()
+        self.ledger = Ledger(self.dir / "ledger.sqlite")
+        self.registry = PolicyRegistry(self.dir / "registry")
+        self.admission = AdmissionController(cfg.rollout.max_version_lag,
+                                             censor_rule=cfg.credit.censor_rule)
+        self.trainer: Trainer | None = None
+        self.step = 0
+        self.consumed: set[str] = set()
+        self.sft_tokens = 0
+
+    # ------------------------------------------------------------------ set-up
+    def _write_json(self, name: str, data: Any) -> None:
+        path = self.dir / name
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+        os.replace(tmp, path)
+
+    def log_metrics(self, kind: str, data: dict[str, Any]) -> None:
+        """Append one line to metrics.jsonl."""
+        line = {"kind": kind, "time": time.time(), **data}
+        with open(self.metrics_path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(line, sort_keys=True, default=str) + "\n")
+
+    def _build_tasks(self) -> None:
+        env = self.cfg.environment
+        sets = build_task_sets(env.train_tasks, env.heldout_tasks, seed=self.cfg.training.seed)
+        self.train_tasks = [b.spec.task_id for b in sets.train]
+        self.heldout_tasks = [b.spec.task_id for b in sets.heldout]
+        overlap = audit_overlap(sets.train, sets.heldout)
+        self._write_json("tasks.json", {
+            "train": self.train_tasks, "heldout": self.heldout_tasks,
+            "discarded": [str(d) for d in sets.discarded], "overlap": str(overlap)})
+        log(f"tasks: {len(self.train_tasks)} train / {len(self.heldout_tasks)} held-out, "
+            f"{len(sets.discarded)} discarded by the solvability filter")
+
+    def _load_policy(self) -> None:
+        cfg = self.cfg
+        model_arg = None if cfg.model == "embedded" else cfg.model
+        self.loaded = load_model(model_arg, dtype=cfg.training.dtype)
+        log(f"model {self.loaded.model_id} loaded from {self.loaded.source} in "
+            f"{self.loaded.load_seconds:.1f}s")
+        self.tokenizer = self.loaded.tokenizer
+        self.model: Any = self.loaded.model
+        if getattr(self.model, "hf_quantizer", None) is not None:
+            self.model.hf_quantizer.remove_quantization_config(self.model)
+        self.renderer = ChatRenderer(self.tokenizer, SYSTEM_PROMPT, list(AGENT_TOOLS))
+        report = check_append_only(self.renderer)
+        self._write_json("template.json", report._asdict() if hasattr(report, "_asdict")
+                         else report.__dict__)
+        self.pad_id = int(self.tokenizer.pad_token_id or 0)
+
+    # ------------------------------------------------------------------ warm start
+    def warm_start(self) -> None:
+        """SFT on noisy-expert demonstrations, merged into the base (π_ref = initial SFT)."""
+        cfg = self.cfg.sft
+        adapter_file = self.dir / "sft" / "adapter.pt"
+        model = attach_lora(self.model, r=self.cfg.training.lora_rank,
+                            alpha=self.cfg.training.lora_alpha, seed=self.cfg.training.seed)
+        if adapter_file.is_file():
+            state = torch.load(adapter_file, weights_only=True)
+            model.load_state_dict(state, strict=False)
+            meta = json.loads((self.dir / "sft" / "result.json").read_text())
+            self.sft_tokens = int(meta["trained_action_tokens"])
+            log("warm start: reusing the run's SFT adapter")
+        else:
+            demos = self.collect_demonstrations(cfg.demonstrations)
+            with Progress(cfg.epochs * len(demos), "sft", "ep") as bar:
+                result = supervised_warm_start(
+                    model, demos, self.pad_id, epochs=cfg.epochs, batch_size=cfg.batch_size,
+                    learning_rate=cfg.learning_rate, seed=self.cfg.training.seed,
+                    progress=bar.update)
+            adapter = {k: v for k, v in model.state_dict().items() if "lora_" in k}
+            torch.save(adapter, adapter_file)
+            self.sft_tokens = result.trained_action_tokens
+            meta = {"optimizer_steps": result.optimizer_steps, "episodes": result.episodes,
+                    "trained_action_tokens": result.trained_action_tokens,
+                    "losses": list(result.losses)}
+            self._write_json("sft/result.json", meta)
+            self.log_metrics("sft", meta)
+            log(f"warm start: {result.optimizer_steps} steps on {result.episodes} "
+                f"demonstrations, {result.trained_action_tokens} action tokens, loss "
+                f"{result.losses[0]:.3f} -> {result.losses[-1]:.3f}")
+        self.model = model.merge_and_unload()
+
+    def collect_demonstrations(self, n: int) -> list[Episode]:
+        """Noisy-expert episodes on train tasks, through the same collector and renderer."""
+        rate, seed = self.cfg.sft.noise_rate, self.cfg.training.seed
+
+        def make_policy(task_id: str, key: str) -> NoisyExpertPolicy:
+            return NoisyExpertPolicy(get_bundle(task_id), error_rate=rate,
+                                     seed=int(content_hash([seed, key])[7:15], 16))
+
+        source = ScriptedSource(make_policy, self.renderer.encode, build="scripted-noisy")
+        manifest = self.manifest_for("v0000", demo=True)
+        tasks = [self.train_tasks[i % len(self.train_tasks)] for i in range(n)]
+        path = self.dir / "traces" / "sft-demos.jsonl"
+        path.unlink(missing_ok=True)
+        groups = self._collect(source, manifest, path, [
+            (f"demo-{i:04d}", task, 1000 + i, 1) for i, task in enumerate(tasks)], "demos")
+        episodes = [ep for g in groups for ep in g.episodes]
+        solved = sum(1 for ep in episodes if (ep.trajectory.task_success or 0) >= 1)
+        log(f"demonstrations: {len(episodes)} episodes, {solved} solved")
+        return episodes
+
+    # ------------------------------------------------------------------ policy identity
+    def attach_rl_adapter(self) -> None:
+        """Wrap the (warm-started) base with a fresh LoRA adapter; build the trainer."""
+        t = self.cfg.training
+        self.model = attach_lora(self.model, r=t.lora_rank, alpha=t.lora_alpha,
+                                 seed=t.seed + 1)
+        u = self.cfg.update
+        trainer_cfg = TrainerConfig(objective=u.objective, reducer=self.cfg.credit.reduction,
+                                    learning_rate=t.learning_rate, kl_beta=u.kl_beta,
+                                    kl_estimator=u.kl_estimator, clip_eps=u.clip_eps)
+        self.trainer = Trainer(self.model, trainer_cfg, reference=self.model.disable_adapter)
+        self.generator = HFGenerator(self.model, self.tokenizer, seed=t.seed)
+        self._write_json("trainer.json", trainer_cfg.__dict__)
+
+    def manifest_for(self, version: str, demo: bool = False) -> PolicyManifest:
+        """The manifest of ``version`` under the run's scaffold (weights as they are now)."""
+        ident = policy_weight_checksum(self.model)
+        base, adapter, combined = ident.base_checksum, ident.adapter_checksum, ident.combined
+        if demo:
+            adapter, combined = None, ident.base_checksum
+        return build_manifest(
+            policy_version=version, weight_checksum=combined,
+            tokenizer_revision=self.loaded.tokenizer_revision, renderer=self.renderer,
+            sampler=self.cfg.rollout.sampler, step_budget=self.cfg.environment.max_turns,
+            max_action_tokens=self.cfg.rollout.max_action_tokens,
+            model_id=self.loaded.model_id, dtype=self.cfg.training.dtype,
+            base_weight_checksum=base, adapter_checksum=adapter)
+
+    def publish(self, version: str) -> PolicyManifest:
+        """Stage the adapter as ``version``, have the generator ack its checksum, publish."""
+        template = self.manifest_for(version)
+        adapter = {k: v.detach().clone() for k, v in self.model.state_dict().items()
+                   if "lora_" in k}
+        try:
+            staged = self.registry.stage(adapter, template, kind="adapter", version=version)
+            manifest = staged.manifest
+        except RegistryError:
+            manifest = self.registry.manifest(version)  # staged before a crash: must match
+            if manifest.weight_checksum != template.weight_checksum:
+                raise
+        self.generator.refresh_weights(policy_weight_checksum(self.model).combined)
+        self.registry.ack(GENERATOR_WORKER, version, self.generator.weight_checksum)
+        self.registry.publish(version, require_acks_from=[GENERATOR_WORKER])
+        return manifest
+
+    # ------------------------------------------------------------------ collection
+    def _collect(self, source: ActionSource, manifest: PolicyManifest, path: Path,
+                 groups: Sequence[tuple[str, str, int, int]], desc: str
+                 ) -> list[CollectedGroup]:
+        partial = path.with_suffix(".partial")
+        partial.unlink(missing_ok=True)
+        with TraceWriter(partial) as writer:
+            parts = CollectorParts(self.renderer, self.verifier, self.run_id, writer,
+                                   self.cfg.environment.max_turns)
+            collector = make_collector(source, manifest, parts)
+            leases = [collector.make_lease(gid, task, seed, size)
+                      for gid, task, seed, size in groups]
+            with Progress(sum(g[3] for g in groups), desc) as bar:
+                collected = collector.collect(leases, progress=bar.update)
+        os.replace(partial, path)
+        return collected
+
+    def model_source(self, manifest: PolicyManifest) -> GeneratorSource:
+        """Sample actions from the current weights (the behaviour policy of ``manifest``)."""
+        if self.generator.weight_checksum != manifest.weight_checksum:
+            raise RegistryError("the generator's weights are not the manifest's")
+        return GeneratorSource(self.generator, self.renderer.action_text, manifest.sampler,
+                               manifest.max_action_tokens, manifest.generator_build)
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, label: str, manifest: PolicyManifest) -> EvalSummary:
+        """Held-out evaluation: ``attempts_per_task`` attempts per task over the seeds."""
+        ev = self.cfg.evaluation
+        seeds = list(ev.seeds)[: ev.attempts_per_task]
+        self.generator.rng.manual_seed(int(content_hash(["eval", label])[7:15], 16))
+        groups = [(f"eval-{label}-{i:03d}-s{seed}", task, seed, 1)
+                  for i, task in enumerate(self.heldout_tasks) for seed in seeds]
+        path = self.dir / "traces" / f"eval-{label}.jsonl"
+        if path.is_file():
+            episodes = load_episodes(path)[1]
+        else:
+            collected = self._collect(self.model_source(manifest), manifest, path, groups,
+                                      f"eval {label}")
+            episodes = [ep for g in collected for ep in g.episodes]
+        summary = summarize_eval(episodes,
+                                 k=ev.attempts_per_task, seed=self.cfg.training.seed)
+        self.log_metrics("eval", {"label": label, **summary.to_dict()})
+        return summary
+
+    # ------------------------------------------------------------------ one RL step
+    def step_groups(self, step: int) -> list[tuple[str, str, int, int]]:
+        """The groups of RL step ``step``: deterministic task choice, seed and group ids."""
+        t = self.cfg.training
+        rng = random.Random(f"{t.seed}/step/{step}")
+        tasks = rng.sample(self.train_tasks, t.groups_per_step)
+        return [(f"s{step:04d}-g{j}", task, rng.randrange(1, 10**6), self.cfg.rollout.group_size)
+                for j, task in enumerate(tasks)]
+
+    def collect_step(self, step: int, manifest: PolicyManifest) -> list[CollectedGroup]:
+        """Collect (or, after a crash, reload) the complete groups of step ``step``."""
+        path = self.dir / "traces" / f"step-{step:04d}.jsonl"
+        if path.is_file():
+            leases, episodes = load_episodes(path)
+            by_group: dict[str, list[Episode]] = {}
+            for ep in episodes:
+                by_group.setdefault(ep.trajectory.group_id, []).append(ep)
+            log(f"step {step}: reusing {len(leases)} buffered groups from {path.name}")
+            return [CollectedGroup(lease, tuple(sorted(by_group[lease.group_id],
+                                                       key=lambda e: e.trajectory.sample_index)))
+                    for lease in leases]
+        self.generator.rng.manual_seed(int(content_hash(["step", step])[7:15], 16))
+        return self._collect(self.model_source(manifest), manifest, path,
+                             self.step_groups(step), f"step {step} collect")
+
+    def rl_step(self, step: int) -> StepReport:
+        """collect → verify → admit → credit → loss → one optimizer step → publish."""
+        if self.trainer is None:
+            raise RuntimeError("attach_rl_adapter() first")
+        times: dict[str, float] = {}
+        t0 = time.perf_counter()
+        behavior = version_name(step)
+        manifest = self.registry.manifest(behavior)
+        groups = self.collect_step(step, manifest)
+        times["collect_s"] = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        admitted = self._admit(groups, train_version_index=version_index(behavior))
+        times["admit_s"] = time.perf_counter() - t1
+        t2 = time.perf_counter()
+        credits, batch_eps, adv, success = self._credit(admitted)
+        summary = summarize_credit(credits)
+        metrics: dict[str, Any] = {}
+        output: str | None = None
+        if batch_eps:
+            batch = build_training_batch(batch_eps, pad_id=self.pad_id)
+            result = self.trainer.step(batch, torch.tensor(adv), torch.tensor(success))
+            metrics = dict(result.metrics)
+        times["update_s"] = time.perf_counter() - t2
+        t3 = time.perf_counter()
+        output = version_name(step + 1)
+        self.consumed.update(g.lease.group_id for g in admitted)
+        self._checkpoint(step + 1, output)
+        if admitted:
+            self.ledger.mark_consumed([g.lease.group_id for g in admitted], step + 1, output)
+        self.publish(output)
+        times["publish_s"] = time.perf_counter() - t3
+        scores = [ep.trajectory.task_success for g in groups for ep in g.episodes
+                  if ep.trajectory.task_success is not None]
+        report = StepReport(
+            step=step, behavior_version=behavior, output_version=output, groups=len(groups),
+            admitted=len(admitted), zero_variance=summary.n_zero_variance,
+            discarded=summary.n_discarded,
+            mean_success=sum(scores) / len(scores) if scores else None,
+            metrics=metrics, seconds=times)
+        self.log_metrics("rl_step", {**report.__dict__, "credit": {
+            "n_groups": summary.n_groups, "n_scored_groups": summary.n_scored_groups,
+            "zero_variance_rate": summary.zero_variance_rate,
+            "discard_reasons": dict(summary.discard_reasons)}})
+        self.step = step + 1
+        return report
+
+    def _admit(self, groups: Sequence[CollectedGroup], train_version_index: int
+               ) -> list[CollectedGroup]:
+        admitted = []
+        for g in groups:
+            gid = g.lease.group_id
+            trajs = [ep.trajectory for ep in g.episodes]
+            known = gid in self.ledger.group_ids()
+            if not known:
+                self.ledger.record_collected(g.lease, GroupSummary.from_trajectories(trajs))
+            state = self.ledger.get(gid).state
+            if state == "collected":
+                decision = self.admission.admit(trajs, g.lease, train_version_index)
+                apply_decision(self.ledger, decision)
+                state = self.ledger.get(gid).state
+            if state == "admitted":
+                admitted.append(g)
+        return admitted
+
+    def _credit(self, groups: Sequence[CollectedGroup]) -> tuple[list[Any], list[Episode],
+                                                                   list[float], list[bool]]:
+        credits, episodes, adv, success = [], [], [], []
+        for g in groups:
+            trajs = [ep.trajectory for ep in g.episodes]
+            rewards = [t.task_success for t in trajs]
+            censored = [t.termination.is_censored or t.quarantine_reason is not None
+                        or t.task_success is None for t in trajs]
+            credit = group_advantages(rewards, self.cfg.credit.estimator, censored,
+                                      self.cfg.credit.censor_rule)
+            credits.append(credit)
+            if credit.advantages is None:
+                continue
+            a = credit.advantages
+            if self.cfg.credit.group_reward_scale == "std":
+                from closedloop.learn.reducers import apply_group_reward_scale
+
+                scored = torch.tensor([rewards[i] for i in credit.member_indices])
+                a = apply_group_reward_scale(a, scored, "std")
+            for pos, i in enumerate(credit.member_indices):
+                episodes.append(g.episodes[i])
+                adv.append(float(a[pos]))
+                success.append(bool((rewards[i] or 0) >= 1.0))
+        return credits, episodes, adv, success
+
+    # ------------------------------------------------------------------ checkpoints
+    def _checkpoint(self, step: int, version: str) -> None:
+        if self.trainer is None:
+            raise RuntimeError("no trainer")
+        adapter = {k: v.detach().clone() for k, v in self.model.state_dict().items()
+                   if "lora_" in k}
+        save_checkpoint(self.dir / "checkpoints", step, adapter,
+                        self.trainer.optimizer.state_dict(), version, sorted(self.consumed),
+                        capture_rng_states(), {"sft_tokens": self.sft_tokens})
+
+    def resume(self) -> bool:
+        """Restore the latest checkpoint, if any, and reconcile the ledger with it."""
+        if self.trainer is None:
+            raise RuntimeError("attach_rl_adapter() first")
+        ckpt = load_latest(self.dir / "checkpoints")
+        if ckpt is None:
+            return False
+        missing = self.model.load_state_dict(ckpt.model_state, strict=False)
+        if missing.unexpected_keys:
+            raise RuntimeError(f"checkpoint holds unknown tensors: {missing.unexpected_keys}")
+        self.trainer.optimizer.load_state_dict(ckpt.optimizer_state)
+        restore_rng_states(ckpt.rng_states)
+        self.step = ckpt.step
+        self.trainer.step_count = ckpt.step
+        self.consumed = set(ckpt.consumed_group_ids)
+        report = self.ledger.reconcile_with_checkpoint(self.consumed, ckpt.step,
+                                                       ckpt.output_policy_version)
+        log(f"resumed at step {ckpt.step} ({ckpt.output_policy_version}); ledger: "
+            f"{len(report.marked_consumed)} marked consumed from the checkpoint, "
+            f"{len(report.reverted_to_admitted)} reverted to admitted")
+        self.generator.refresh_weights(policy_weight_checksum(self.model).combined)
+        active = self.registry.active()
+        if active is None or active.version != ckpt.output_policy_version:
+            self.publish(ckpt.output_policy_version)
+        return True
+
+    def close(self) -> None:
+        """Close the ledger."""
+        self.ledger.close()
+
+
+def write_summary(run: TrainingRun, data: dict[str, Any]) -> Path:
+    """Write summary.json atomically and return its path."""
+    run._write_json("summary.json", data)
+    return run.dir / "summary.json"
+
+
+__all__ = ["StepReport", "TrainingRun", "canonical_json", "write_summary"]

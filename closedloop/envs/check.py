@@ -171,7 +171,7 @@ def replay_property(env_factory: EnvFactory, task_id: str, seed: int,
     every step, then for k = ``snapshot_at`` (clamped; default: the middle) restores S_k in the
     same env and in a fork and replays the suffix: observations, state hashes, errors,
     terminations and the exported final state must be identical. Raises
-    ``ReplayMismatchError``.
+    ``ReplayMismatchError`` (``ForkIsolationError`` if the fork does not start at S_k).
     """
     env = env_factory()
     env.reset(task_id, seed)
@@ -189,8 +189,9 @@ def replay_property(env_factory: EnvFactory, task_id: str, seed: int,
         else:
             target = env.fork(ref, f"replay-{k}")
         if target.state_hash() != ref.state_hash:
-            raise ReplayMismatchError(f"{_where(task_id, seed, k)}: {how} gave state hash "
-                                      f"{target.state_hash()} != snapshot {ref.state_hash}")
+            error = ReplayMismatchError if how == "restore" else ForkIsolationError
+            raise error(f"{_where(task_id, seed, k)}: {how} gave state hash "
+                        f"{target.state_hash()} != snapshot {ref.state_hash}")
         again = _play(target, suffix, snapshot_every=False)
         _compare(first.transitions[k:], again.transitions, k, task_id, seed,
                  ReplayMismatchError, f"replay after {how}")

@@ -348,7 +348,7 @@ def _variants(bundle: TaskBundle, path: str, reference: Mapping[str, str]) -> li
 
 
 def _tamper_variants(bundle: TaskBundle) -> list[Variant]:
-    gold = list(bundle.grader.gold_actions)
+    gold = [a for a in bundle.grader.gold_actions if a.name != "run"]  # the edits suffice
     return [
         ("tamper_validator", [_write("check.py", 'print("OK")\n'), *gold], False,
          "the visible validator was rewritten to always pass"),

@@ -27,9 +27,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from closedloop.contracts import Action, ContractError, TamperDetected, sha256_hex
+from closedloop.envs.scripted import ExpertPolicy, play
 from closedloop.envs.task import TaskBundle
 from closedloop.envs.tasks.base import is_reserved_path
 from closedloop.envs.tasks.registry import get_bundle
+from closedloop.envs.terminal import TerminalRepairEnv
 from closedloop.envs.workspace import ExportedState, decode_state
 from closedloop.verify.graders import GRADERS_VERSION, GradeResult, grade
 
@@ -167,8 +169,6 @@ def replay_actions(bundle: TaskBundle, actions: Sequence[Action | str],
 
     Stops early if the episode ends. Used for gold replay, fixtures and scripted episodes.
     """
-    from closedloop.envs.terminal import TerminalRepairEnv
-
     env = TerminalRepairEnv(lambda _task_id: bundle.spec)
     env.reset(bundle.spec.task_id, seed)
     for action in actions:
@@ -181,21 +181,29 @@ def check_solvable(bundle: TaskBundle, seed: int = 0,
                    verifier: Verifier | None = None) -> str | None:
     """The solvability filter: ``None`` if the task is well-posed, else why it is not.
 
-    Well-posed: the gold actions, replayed through the real environment, end in a state the
-    hidden grader accepts with no tampering, no collateral damage and no policy violation;
-    and the untouched initial state is rejected (a grader that accepts the broken state is a
-    bug). ``verifier`` defaults to one that grades this bundle directly (it need not be in the
-    registry).
+    Well-posed: ``ExpertPolicy`` (the gold actions as model text), played through the real
+    environment, ends the episode with ``finish`` within the step budget, in a state the hidden
+    grader accepts with no tampering, no collateral damage, no policy violation and no invalid
+    action; and the untouched initial state is rejected (a grader that accepts the broken state
+    is a bug). ``verifier`` defaults to one that grades this bundle directly (it need not be in
+    the registry).
     """
     v = verifier if verifier is not None else Verifier(bundle_source=lambda _task_id: bundle)
     task_id = bundle.spec.task_id
-    gold = v.score_or_quarantine(task_id, replay_actions(bundle, bundle.grader.gold_actions, seed))
+    env = TerminalRepairEnv(lambda _task_id: bundle.spec)
+    episode = play(env, ExpertPolicy(bundle), task_id, seed,
+                   max_steps=len(bundle.grader.gold_actions))
+    if not (episode.transitions and episode.transitions[-1].done) or \
+            decode_state(episode.final_state).final_action != "finish":
+        return "expert episode did not end with finish within the gold length"
+    gold = v.score_or_quarantine(task_id, episode.final_state)
     if gold.reward is None:
         return f"gold replay quarantined: {gold.quarantine_reason}"
     if gold.reward["task_success"] != 1.0:
         return f"gold replay rejected by the grader: {gold.grade_reason}"
-    if gold.reward["collateral_damage"] or gold.reward["policy_violation"]:
-        return "gold replay has side effects (collateral damage or policy violations)"
+    if gold.reward["collateral_damage"] or gold.reward["policy_violation"] or \
+            gold.reward["invalid_actions"]:
+        return "gold replay has side effects (collateral damage, violations or invalid actions)"
     initial = v.score_or_quarantine(task_id, replay_actions(bundle, [], seed))
     if initial.reward is None:
         return f"initial state quarantined: {initial.quarantine_reason}"

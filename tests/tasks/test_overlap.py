@@ -1,0 +1,64 @@
+"""Overlap audit between train and held-out (exact and near-duplicate)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from closedloop.envs.tasks import audit_overlap, default_task_sets
+from closedloop.envs.tasks.overlap import (
+    DEDUP_RULE_VERSION,
+    fingerprint_text,
+    jaccard,
+    shingles,
+)
+
+
+def test_default_split_is_disjoint() -> None:
+    sets = default_task_sets()
+    report = audit_overlap(sets.train, sets.heldout)
+    print(f"overlap: max similarity {report.max_similarity:.3f} (threshold {report.threshold}), "
+          f"shared families {report.shared_families}")
+    assert report.exact_pairs == () and report.near_pairs == ()
+    assert report.shared_templates == ()
+    assert report.disjoint
+    assert report.max_similarity < report.threshold == 0.8
+    assert (report.n_train, report.n_heldout) == (48, 16)
+    assert report.dedup_rule_version == DEDUP_RULE_VERSION == "v1"
+    # template-disjoint, not family-disjoint: reported, not hidden
+    assert len(report.shared_families) == 4
+
+
+def test_audit_catches_injected_near_duplicate_and_exact_copy() -> None:
+    sets = default_task_sets()
+    source = sets.train[5].spec
+    renamed = {p: t.replace("1", "2") for p, t in source.initial_files.items()}
+    near = dataclasses.replace(source, task_id="leak/near/000-00000000", split="heldout",
+                               template="renamed", initial_files=renamed)
+    exact = dataclasses.replace(source, task_id="leak/exact/000-00000000", split="heldout",
+                                template="copied", objective="  " + source.objective.upper())
+    heldout = [*(b.spec for b in sets.heldout), near, exact]
+    report = audit_overlap(sets.train, heldout)
+    assert [(p.train_id, p.heldout_id) for p in report.exact_pairs] == [
+        (source.task_id, exact.task_id)]
+    near_ids = {(p.train_id, p.heldout_id) for p in report.near_pairs}
+    assert (source.task_id, near.task_id) in near_ids
+    assert all(p.similarity >= 0.8 for p in report.near_pairs)
+    assert not report.disjoint
+
+
+def test_shared_template_is_reported() -> None:
+    sets = default_task_sets()
+    first = sets.train[3].spec  # the first 4 train tasks share one template
+    report = audit_overlap(sets.train[:3], [first])
+    assert report.shared_templates == (f"{first.family}/{first.template}",)
+    assert report.exact_pairs == ()
+
+
+def test_similarity_primitives() -> None:
+    assert jaccard(shingles("abcdef"), shingles("abcdef")) == 1.0
+    assert jaccard(shingles("abcdefgh"), shingles("zzzzzzzz")) == 0.0
+    # "abcdefg" -> {abcde, bcdef, cdefg}; "abcdefx" -> {abcde, bcdef, cdefx}: 2 / 4
+    assert jaccard(shingles("abcdefg"), shingles("abcdefx")) == 0.5
+    spec = default_task_sets().train[0].spec
+    assert "check.py" in fingerprint_text(spec)
+    assert "check.py" not in fingerprint_text(spec, exclude=("check.py",))

@@ -33,7 +33,12 @@ from closedloop.envs.errors import (
     WorkspacePathError,
 )
 from closedloop.envs.protocol import AgentEnv
-from closedloop.envs.sandbox import CommandResult, SandboxConfig, run_command
+from closedloop.envs.sandbox import (
+    CommandResult,
+    SandboxConfig,
+    network_namespace_available,
+    run_command,
+)
 from closedloop.envs.task import HiddenGrader, TaskBundle, TaskSpec
 from closedloop.envs.terminal import (
     ENV_VERSION,
@@ -60,7 +65,7 @@ __all__ += ["ENV_VERSION", "EnvConfig", "TerminalRepairEnv", "validate_spec"]
 __all__ += ["ExportedState", "WorkspaceState", "decode_sealed", "decode_state"]
 # workspace, tools and sandbox
 __all__ += ["RESERVED_PREFIXES", "TOOLS", "CommandResult", "SandboxConfig", "WorkspaceLimits",
-            "normalize_path", "run_command", "tool_schemas"]
+            "network_namespace_available", "normalize_path", "run_command", "tool_schemas"]
 # checker
 __all__ += ["EnvCheckReport", "check_env", "check_fork_isolation", "check_reset", "check_steps",
             "random_actions", "replay_property"]

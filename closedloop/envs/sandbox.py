@@ -39,6 +39,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -51,6 +52,7 @@ from closedloop.envs.errors import (
     WorkspaceLimitError,
     WorkspacePathError,
 )
+from closedloop.envs.sandbox_child import BOOT_FAILURE_EXIT
 from closedloop.envs.workspace import FileTree, WorkspaceLimits, normalize_path
 
 PYTHON_NAMES = ("python3", "python")
@@ -72,7 +74,9 @@ class SandboxConfig:
     cpu_s: CPU-seconds limit (default: the timeout rounded up, plus one); memory_bytes: address
     space; max_processes: RLIMIT_NPROC; network_namespace: ``None`` = use ``unshare -n`` when it
     works here, ``True`` = require it, ``False`` = never; drop_privileges: run as ``nobody``
-    when started as root.
+    when started as root and ``nobody`` can read the standard library; scratch_dir: where the
+    private directories go (default: the system temp dir; a tmpfs such as ``/dev/shm`` makes
+    materializing and cleaning up ~10x faster, at the cost of RAM a runaway writer can fill).
     """
 
     timeout_s: float = 5.0
@@ -83,6 +87,7 @@ class SandboxConfig:
     max_processes: int = 512
     network_namespace: bool | None = None
     drop_privileges: bool = True
+    scratch_dir: str | None = None
 
 
 @dataclass(frozen=True)
@@ -172,7 +177,7 @@ def run_command(argv: Sequence[str], files: Mapping[str, str], *, timeout_s: flo
                                "output_cap_bytes": output_cap_bytes or cfg.output_cap_bytes})
     lim = limits or WorkspaceLimits()
     try:
-        root = Path(tempfile.mkdtemp(prefix="closedloop-sbx-"))
+        root = Path(tempfile.mkdtemp(prefix="closedloop-sbx-", dir=cfg.scratch_dir))
     except OSError as exc:
         raise SandboxInfraError(f"cannot create the sandbox directory: {exc}") from None
     try:
@@ -184,8 +189,27 @@ def run_command(argv: Sequence[str], files: Mapping[str, str], *, timeout_s: flo
     return result
 
 
+@functools.lru_cache(maxsize=1)
+def _stdlib_world_readable() -> bool:
+    """Whether ``nobody`` could read the standard library (every ancestor world r-x)."""
+    stdlib = sysconfig.get_path("stdlib")
+    for top in (stdlib, os.path.join(stdlib, "lib-dynload")):
+        path = os.path.realpath(top)
+        while True:
+            try:
+                if (os.stat(path).st_mode & 0o005) != 0o005:
+                    return False
+            except OSError:
+                return False
+            parent = os.path.dirname(path)
+            if parent == path:
+                break
+            path = parent
+    return True
+
+
 def _prepare_root(root: Path, files: Mapping[str, str], cfg: SandboxConfig) -> bool:
-    dropping = cfg.drop_privileges and os.geteuid() == 0
+    dropping = cfg.drop_privileges and os.geteuid() == 0 and _stdlib_world_readable()
     try:
         for sub in ("ws", "home", "tmp"):
             (root / sub).mkdir()
@@ -228,7 +252,7 @@ def execute(argv: Sequence[str], root: Path, *, env_seed: int, clock: int,
     code = proc.returncode if proc.returncode is not None else -signal.SIGKILL
     if code in (-signal.SIGXCPU, -signal.SIGKILL):
         timed_out = True
-    if code == _BOOT_FAILURE:
+    if code == BOOT_FAILURE_EXIT:
         raise SandboxInfraError(f"sandbox bootstrap failed: {err[:500]!r}")
     scrub = _scrubber(root)
     cap = config.output_cap_bytes
@@ -243,7 +267,14 @@ def execute(argv: Sequence[str], root: Path, *, env_seed: int, clock: int,
                          rejected, refusals, elapsed)
 
 
-_BOOT_FAILURE = 86
+# The -c program: compile the bootstrap (argv[1], the source of ``sandbox_child``) under the name
+# "<sandbox>", so its frames can be told apart from the program's and left out of tracebacks.
+_STUB = "import sys; exec(compile(sys.argv[1], '<sandbox>', 'exec'))"
+
+
+@functools.lru_cache(maxsize=1)
+def _bootstrap_source() -> str:
+    return Path(__file__).with_name("sandbox_child.py").read_text(encoding="utf-8")
 
 
 def _child_command(argv: Sequence[str], root: Path, env_seed: int, config: SandboxConfig,
@@ -253,7 +284,7 @@ def _child_command(argv: Sequence[str], root: Path, env_seed: int, config: Sandb
                f"RLIMIT_FSIZE={limits.max_total_bytes},RLIMIT_NOFILE={config.max_open_files},"
                f"RLIMIT_NPROC={config.max_processes},RLIMIT_CORE=0")
     real_root = os.path.realpath(root)
-    cmd = [sys.executable, "-S", "-P", "-s", "-B", "-c", _STUB, _BOOTSTRAP, real_root,
+    cmd = [sys.executable, "-S", "-P", "-s", "-B", "-c", _STUB, _bootstrap_source(), real_root,
            str(env_seed & 0xFFFFFFFF), str(drop_uid), rlimits, *argv[1:]]
     if _use_netns(config):
         exe = shutil.which("unshare") or "unshare"
@@ -424,207 +455,3 @@ def _accept(ws: Path, rel: str, limits: WorkspaceLimits, total: int,
         return (data.decode("utf-8"),)
     except UnicodeDecodeError:
         return "not UTF-8 text"
-
-
-# The -c program: compile the bootstrap (argv[1]) under the name "<sandbox>", so its frames can be
-# told apart from the program's and left out of the tracebacks the agent sees.
-_STUB = "import sys; exec(compile(sys.argv[1], '<sandbox>', 'exec'))"
-
-_BOOTSTRAP = r'''
-import os, sys, posix
-def _boot():
-    root, seed, drop_uid, rlimits = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-    prog = sys.argv[6:]
-    try:
-        import resource, signal, random, pathlib
-        for item in rlimits.split(","):
-            name, value = item.split("=")
-            resource.setrlimit(getattr(resource, name), (int(value), int(value)))
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        log_fd = posix.open(root + "/refusals.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)
-        if drop_uid >= 0 and _world_accessible([p for p in sys.path if p]):
-            os.setgroups([]); os.setgid(drop_uid); os.setuid(drop_uid)
-        random.seed(seed)
-        try:
-            import _posixsubprocess
-            def _no_fork_exec(*a, **k):
-                raise PermissionError("sandbox: process spawning refused")
-            _posixsubprocess.fork_exec = _no_fork_exec
-        except ImportError:
-            pass
-    except Exception as exc:
-        sys.stderr.write("bootstrap: %r\n" % (exc,))
-        os._exit(86)
-    ws = root + "/ws"
-    writable = (ws, root + "/home", root + "/tmp", "/dev/null")
-    readable = writable + tuple(_real(p) for p in sys.path if p) + ("/dev/urandom",)
-    path_types = (pathlib.PurePosixPath, pathlib.PosixPath, posix.DirEntry)
-    sys.addaudithook(_make_hook(log_fd, writable, readable, path_types))
-    _run(prog, ws)
-
-def _real(p):
-    return os.path.realpath(p)
-
-def _world_accessible(paths):
-    # Dropping to nobody only works if nobody can still read the standard library.
-    for path in paths:
-        path = _real(path)
-        if not os.path.isdir(path):
-            continue
-        while True:
-            if (os.stat(path).st_mode & 0o005) != 0o005:
-                return False
-            parent = os.path.dirname(path)
-            if parent == path:
-                break
-            path = parent
-    return True
-
-def _make_hook(log_fd, writable, readable, path_types, _type=type, _str=str, _bytes=bytes,
-               _int=int, _any=any, _len=len, _PermissionError=PermissionError, _OSError=OSError,
-               _getcwd=posix.getcwd, _lstat=posix.lstat, _readlink=posix.readlink,
-               _fspath=posix.fspath, _write=posix.write,
-               _WFLAGS=os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND):
-    deny_events = {}
-    for kind, names in (
-            ("process", ("os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork",
-                         "os.forkpty", "subprocess.Popen", "pty.spawn", "os.kill", "os.killpg",
-                         "signal.pthread_kill", "sqlite3.enable_load_extension")),
-            ("link", ("os.symlink", "os.link")),
-            ("rlimit", ("resource.setrlimit", "resource.prlimit")),
-            ("introspection", ("gc.get_objects", "gc.get_referrers", "gc.get_referents"))):
-        for name in names:
-            deny_events[name] = kind
-    write_events = frozenset(("os.remove", "os.rmdir", "os.mkdir", "os.rename", "os.truncate",
-        "os.chmod", "os.chown", "os.utime", "os.chflags", "os.lchmod", "os.lchown",
-        "os.setxattr", "os.removexattr", "sqlite3.connect"))
-    read_events = frozenset(("os.listdir", "os.scandir", "os.chdir", "os.listxattr",
-        "os.getxattr"))
-    deny_imports = frozenset(("_ctypes", "ctypes"))
-    guarded = frozenset(("__code__", "__defaults__", "__kwdefaults__", "__globals__"))
-
-    def resolve(p):
-        if not p.startswith("/"):
-            p = _getcwd() + "/" + p
-        parts = [x for x in p.split("/") if x and x != "."]
-        out = []
-        links = 0
-        while parts:
-            name = parts.pop(0)
-            if name == "..":
-                if out:
-                    out.pop()
-                continue
-            cand = "/" + "/".join(out + [name])
-            try:
-                st = _lstat(cand)
-            except _OSError:
-                out.append(name)
-                continue
-            if (st.st_mode & 0o170000) == 0o120000:
-                links += 1
-                if links > 40:
-                    return None
-                target = _readlink(cand)
-                if target.startswith("/"):
-                    out = []
-                parts = [x for x in target.split("/") if x and x != "."] + parts
-                continue
-            out.append(name)
-        return "/" + "/".join(out)
-
-    def under(p, roots):
-        for r in roots:
-            if p == r or p.startswith(r + "/"):
-                return True
-        return False
-
-    def deny(kind, what):
-        line = ("%s: %s\n" % (kind, what))[:300]
-        try:
-            _write(log_fd, line.encode("utf-8", "replace"))
-        except _OSError:
-            pass
-        raise _PermissionError("sandbox: %s refused: %s" % (kind, what))
-
-    def check_path(event, path, write):
-        if path is None or _type(path) is _int:
-            return
-        cls = _type(path)
-        if cls is _str:
-            p = path
-        elif cls is _bytes:
-            p = path.decode("utf-8", "surrogateescape")
-        elif cls in path_types:
-            p = _fspath(path)
-            if _type(p) is _bytes:
-                p = p.decode("utf-8", "surrogateescape")
-        else:
-            deny("path", "%s with a path of type %s" % (event, cls.__name__))
-        real = resolve(p)
-        ok = real is not None and under(real, writable if write else readable)
-        if not ok:
-            deny("path", "%s %s%s" % (event, p, " (write)" if write else ""))
-
-    def hook(event, args):
-        if event == "open":
-            path, mode, flags = args
-            write = (flags & _WFLAGS) != 0 if _type(flags) is _int else (
-                _type(mode) is _str and _any(c in mode for c in "wax+"))
-            check_path(event, path, write)
-        elif event.startswith("socket."):
-            deny("network", event)
-        elif event.startswith("ctypes."):
-            deny("ctypes", event)
-        elif event in deny_events:
-            deny(deny_events[event], event)
-        elif event in write_events:
-            if event == "sqlite3.connect" and args and args[0] == ":memory:":
-                return
-            check_path(event, args[0], True)
-            if event == "os.rename":
-                check_path(event, args[1], True)
-        elif event in read_events:
-            if args:
-                check_path(event, args[0], False)
-        elif event == "import" and args and args[0] in deny_imports:
-            deny("import", args[0])
-        elif event == "object.__setattr__" and _len(args) > 1 and args[1] in guarded:
-            deny("setattr", args[1])
-    return hook
-
-def _run(prog, ws):
-    sys.path.insert(0, ws)
-    if prog[0] == "-m":
-        sys.argv = [prog[1]] + prog[2:]
-        import runpy
-        runpy.run_module(prog[1], run_name="__main__", alter_sys=True)
-        return
-    sys.argv = list(prog)
-    import types
-    with open(prog[0], "rb") as fh:
-        source = fh.read()
-    code = compile(source, prog[0], "exec")
-    mod = types.ModuleType("__main__")
-    mod.__file__ = prog[0]
-    sys.modules["__main__"] = mod
-    try:
-        exec(code, mod.__dict__)
-    except SystemExit:
-        raise
-    except BaseException as exc:
-        kept = []
-        tb = exc.__traceback__
-        while tb is not None:
-            if tb.tb_frame.f_code.co_filename != "<sandbox>":
-                kept.append((tb.tb_frame, tb.tb_lasti, tb.tb_lineno))
-            tb = tb.tb_next
-        new_tb = None
-        for frame, lasti, lineno in reversed(kept):
-            new_tb = types.TracebackType(new_tb, frame, lasti, lineno)
-        exc = exc.with_traceback(new_tb)
-        sys.excepthook(type(exc), exc, new_tb)
-        raise SystemExit(1) from None
-
-_boot()
-'''

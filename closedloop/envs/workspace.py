@@ -235,7 +235,14 @@ class Counters:
 
     def to_json(self) -> dict[str, Any]:
         """Return the JSON form."""
-        return dataclasses.asdict(self)
+        return {
+            "tool_calls": self.tool_calls, "invalid_actions": self.invalid_actions,
+            "tool_errors": self.tool_errors, "commands_run": self.commands_run,
+            "timeouts": self.timeouts,
+            "violations": [{"step": v.step, "code": v.code, "detail": v.detail}
+                           for v in self.violations],
+            "log": [{"step": e.step, "action": e.action, "error": e.error} for e in self.log],
+        }
 
 
 def initial_rng_state(task_id: str, seed: int) -> tuple[Any, ...]:

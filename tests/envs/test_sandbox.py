@@ -208,3 +208,42 @@ def test_module_form_runs_a_workspace_module():
 def test_only_python_scripts_and_modules_run(argv):
     with pytest.raises(SandboxCommandError):
         check_argv(argv)
+
+
+@pytest.mark.parametrize("files,argv,code,stderr", [
+    ({}, ("python3", "prog.py"), 2, "python3: can't open file 'prog.py': [Errno 2] No such file"),
+    ({"prog.py": "def f(:\n"}, ("python3", "prog.py"), 1, 'File "prog.py", line 1'),
+    ({}, ("python3", "-m", "nosuchmod"), 1, "No module named nosuchmod"),
+    ({"prog.py": "import sys\nsys.exit('bye')"}, ("python3", "prog.py"), 1, "bye"),
+])
+def test_program_failures_look_like_plain_python(files, argv, code, stderr):
+    r = run_command(argv, files, config=CFG)
+    assert r.exit_code == code and stderr in r.stderr, r.stderr
+    assert "<sandbox>" not in r.stderr
+
+
+@pytest.mark.parametrize("src,kind", [
+    ("import os, builtins\nos.path.realpath = lambda p: '/ok'\nbuiltins.any = lambda x: True\n"
+     "os.getcwd = lambda: '/etc'\nopen('/etc/hostname')", "path"),
+    ("import sys, os\nf = sys._getframe()\nwhile f is not None:\n"
+     "    for k, v in list(f.f_globals.items()):\n"
+     "        if isinstance(v, (dict, set, list)) and k not in ('__builtins__', 'sys'):\n"
+     "            try:\n                v.clear()\n            except Exception:\n"
+     "                pass\n    f = f.f_back\nos.system('true')", "process"),
+])
+def test_the_hook_cannot_be_blinded_from_inside(src, kind):
+    assert_refused(run(src), kind)
+
+
+def test_hook_functions_hold_no_mutable_closures():
+    from closedloop.envs.sandbox_child import _make_hook
+
+    hook = _make_hook(99, ("/w",), ("/w", "/r"), ())
+    seen = [hook]
+    for fn in seen:
+        assert fn.__code__.co_freevars == (), fn.__name__
+        for value in fn.__defaults__ or ():
+            assert not isinstance(value, dict | list | set), (fn.__name__, value)
+            if callable(value) and hasattr(value, "__code__") and value not in seen:
+                seen.append(value)
+    assert {f.__name__ for f in seen} == {"hook", "check_path", "resolve", "deny"}

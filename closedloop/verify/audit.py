@@ -17,8 +17,10 @@ Tamper fixtures (``expect_quarantine``) are left out of FP/FN: they must be quar
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from closedloop.verify.fixtures import AdjudicatedFixture
 from closedloop.verify.verifier import Verifier
@@ -56,6 +58,10 @@ class VerifierAudit:
     by_family: Mapping[str, FamilyCounts]
     disagreements: tuple[str, ...]
     verifier_version: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form (for ``report.json``)."""
+        return dataclasses.asdict(self)
 
     def summary(self) -> str:
         """A one-line human summary with denominators and intervals."""

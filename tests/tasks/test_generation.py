@@ -97,6 +97,7 @@ def test_every_template_respects_the_task_contract(family: str, template: str) -
         assert "check" in spec.commands
         assert "check.py" in spec.initial_files
         assert "check.py" in grader.extra["validator_hashes"]
+        assert spec.protected_paths  # every task has an invariant to keep
         assert set(spec.protected_paths) <= set(spec.initial_files)
         assert set(grader.protected_hashes) == set(spec.protected_paths)
         # the objective names a file of the workspace and is 1-3 sentences

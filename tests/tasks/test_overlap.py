@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from closedloop.envs.tasks import audit_overlap, default_task_sets
 from closedloop.envs.tasks.overlap import (
@@ -21,6 +22,7 @@ def test_default_split_is_disjoint() -> None:
     assert report.exact_pairs == () and report.near_pairs == ()
     assert report.shared_templates == ()
     assert report.disjoint
+    assert json.loads(json.dumps(report.to_dict()))["disjoint"] is True
     assert report.max_similarity < report.threshold == 0.8
     assert (report.n_train, report.n_heldout) == (48, 16)
     assert report.dedup_rule_version == DEDUP_RULE_VERSION == "v1"

@@ -44,6 +44,7 @@ def test_verifier_fp_fn_on_adjudicated_fixtures() -> None:
     assert audit.tamper_missed == 0 and audit.false_quarantine == 0
     assert audit.n_quarantined == 32
     assert sum(c.n_negative for c in audit.by_family.values()) == 56
+    assert json.loads(json.dumps(audit.to_dict()))["n_negative"] == 56
 
 
 def test_audit_detects_a_lenient_grader(monkeypatch: pytest.MonkeyPatch) -> None:

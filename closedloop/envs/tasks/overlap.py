@@ -20,10 +20,12 @@ this rule; change it whenever normalization, scaffold, ``SHINGLE_N`` or the thre
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import re
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from closedloop.envs.task import TaskBundle, TaskSpec
 
@@ -62,6 +64,10 @@ class OverlapReport:
     shared_families: tuple[str, ...]
     scaffold_paths: tuple[str, ...]
     dedup_rule_version: str = DEDUP_RULE_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form (pairs as objects), with ``disjoint``."""
+        return {**dataclasses.asdict(self), "disjoint": self.disjoint}
 
     @property
     def disjoint(self) -> bool:

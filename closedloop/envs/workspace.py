@@ -100,19 +100,26 @@ def _utf8_len(text: str) -> int:
         raise WorkspacePathError("bad_arguments", "content is not valid Unicode text") from None
 
 
+def _parents(path: str) -> list[str]:
+    """The directory prefixes of a normalized path: ``a/b/c`` -> ``[a, a/b]``."""
+    parts = path.split("/")
+    return ["/".join(parts[:i]) for i in range(1, len(parts))]
+
+
 class FileTree(Mapping[str, str]):
     """An immutable map of normalized path -> text with cached per-file hashes and sizes.
 
     ``with_file``/``without`` return new trees that share every other entry.
     """
 
-    __slots__ = ("_files", "_hashes", "_sizes", "_total")
+    __slots__ = ("_dirs", "_files", "_hashes", "_sizes", "_total")
 
     def __init__(self, files: Mapping[str, str] | None = None,
                  limits: WorkspaceLimits | None = None) -> None:
         self._files: dict[str, str] = {}
         self._hashes: dict[str, str] = {}
         self._sizes: dict[str, int] = {}
+        self._dirs: set[str] = set()
         self._total = 0
         for path in sorted(files or {}):
             text = (files or {})[path]
@@ -126,10 +133,11 @@ class FileTree(Mapping[str, str]):
     def _put(self, path: str, text: str) -> None:
         if not isinstance(text, str):
             raise WorkspacePathError("bad_arguments", f"content of {path!r} is not text")
-        if path in self._files or any(path.startswith(p + "/") for p in self._files) \
-                or any(p.startswith(path + "/") for p in self._files):
+        parents = _parents(path)
+        if path in self._files or path in self._dirs or any(d in self._files for d in parents):
             raise WorkspacePathError("bad_arguments", f"{path!r} clashes with an existing path")
         size = _utf8_len(text)
+        self._dirs.update(parents)
         self._files[path] = text
         self._hashes[path] = _text_hash(text)
         self._sizes[path] = size
@@ -169,10 +177,7 @@ class FileTree(Mapping[str, str]):
 
     def is_dir(self, path: str) -> bool:
         """True if ``path`` is the root (``""``) or a prefix directory of some file."""
-        if path == "":
-            return True
-        prefix = path + "/"
-        return any(p.startswith(prefix) for p in self._files)
+        return path == "" or path in self._dirs
 
     def with_file(self, path: str, text: str, limits: WorkspaceLimits) -> FileTree:
         """Return a tree with ``path`` set to ``text`` (path already normalized)."""
@@ -189,6 +194,7 @@ class FileTree(Mapping[str, str]):
         new._files = dict(self._files)
         new._hashes = dict(self._hashes)
         new._sizes = dict(self._sizes)
+        new._dirs = set(self._dirs)
         new._total = self._total
         return new
 

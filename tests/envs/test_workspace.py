@@ -78,6 +78,12 @@ def test_file_tree_limits_and_sharing():
         FileTree({"a": "1", "a/b": "2"})
     with pytest.raises(WorkspacePathError):
         FileTree({"a/../b": "1"})
+    deep = FileTree({"d/e/f.txt": "1"})
+    assert deep.is_dir("d") and deep.is_dir("d/e") and not deep.is_dir("d/e/f.txt")
+    for clash in ("d", "d/e", "d/e/f.txt/g"):
+        with pytest.raises(WorkspacePathError):
+            deep.with_file(clash, "x", LIMITS)
+    assert deep.with_file("d/e/f.txt", "2", LIMITS)["d/e/f.txt"] == "2"
 
 
 def _state(files=None):

@@ -11,8 +11,8 @@ and they compare with their own parsers:
   JSON records are also validated against ``schema.json`` by a separate validator.
 - INI: a hand-written line parser (sections, ``key = value`` / ``key: value``, no duplicates).
 - CSV: plain comma splitting of lines (the tasks use no quoting); list files: line lists.
-- Programs: differential testing. The candidate and the gold program run (isolated, one
-  subprocess each) on the visible input plus six fresh random inputs drawn by this module's own
+- Programs: differential testing. The candidate and the gold program run (in the sandbox, one
+  process each) on the visible input plus six fresh random inputs drawn by this module's own
   generators; the outputs must be identical. This is stronger than the grader's two hidden cases.
 
 Fixture kinds: ``gold`` and ``alt_correct`` (positives: an equivalent, differently written fix);
@@ -23,18 +23,15 @@ or nearly so); ``tamper`` (must be quarantined; excluded from FP/FN).
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
-import subprocess
-import sys
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
 from closedloop.contracts import Action, ClosedloopError
+from closedloop.envs.sandbox import run_command
 from closedloop.envs.task import TaskBundle
 from closedloop.envs.tasks.registry import FAMILIES, generate_task, get_bundle
 from closedloop.envs.workspace import decode_state
@@ -151,20 +148,18 @@ sys.stdout.write("\\n@@" + json.dumps(outs))
 
 
 def _program_outputs(source: str, inputs: Sequence[str]) -> list[str | None] | None:
-    with tempfile.TemporaryDirectory(prefix="closedloop-fixture-") as tmp:
-        for name, text in (("prog.py", source), ("driver.py", _DRIVER),
-                           ("inputs.json", json.dumps(list(inputs)))):
-            with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
-                f.write(text)
-        try:
-            proc = subprocess.run([sys.executable, "-I", "driver.py"], cwd=tmp, timeout=20,
-                                  capture_output=True, check=False, stdin=subprocess.DEVNULL)
-        except subprocess.TimeoutExpired:
-            return None
-    tail = proc.stdout.decode("utf-8", "replace").rsplit("\n@@", 1)
-    if proc.returncode != 0 or len(tail) != 2:
+    """Outputs of ``source`` on each input (``None`` where it raised), in one sandboxed run."""
+    result = run_command(["python3", "driver.py"],
+                         {"prog.py": source, "driver.py": _DRIVER,
+                          "inputs.json": json.dumps(list(inputs))},
+                         timeout_s=20.0, output_cap_bytes=1 << 20)
+    tail = result.stdout.rsplit("\n@@", 1)
+    if result.timed_out or result.exit_code != 0 or len(tail) != 2:
         return None
-    outs = json.loads(tail[1])
+    try:
+        outs = json.loads(tail[1])
+    except ValueError:
+        return None
     return outs if isinstance(outs, list) else None
 
 

@@ -14,8 +14,8 @@ dispatches on ``checks["kind"]``:
   ``expected``.
 - ``csv_equal``: the ``csv.reader`` rows of ``path`` (trailing empty rows dropped) equal
   ``expected``.
-- ``program_output``: ``path`` is run with ``python -I`` in a fresh temporary directory on each
-  case's input (written as ``input_name``); stripped stdout must equal the case's ``expected``.
+- ``program_output``: ``path`` is run in a fresh sandbox (the environment's) on each case's
+  input (written as ``input_name``); stripped stdout must equal the case's ``expected``.
 
 Strict equality: ``1``, ``1.0`` and ``true`` are three different values; dict key order is
 ignored.
@@ -27,15 +27,12 @@ import configparser
 import csv
 import io
 import json
-import os
-import subprocess
-import sys
-import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from closedloop.contracts import ClosedloopError
+from closedloop.envs.sandbox import run_command
 
 GRADERS_VERSION = "graders-v1"
 
@@ -197,29 +194,18 @@ def grade_csv_equal(checks: Mapping[str, Any], files: Mapping[str, str]) -> Grad
 
 
 def run_program(source: str, input_name: str, input_text: str, timeout_s: float) -> str | None:
-    """Run ``source`` as a script on one input in a fresh directory; return stdout or ``None``.
+    """Run ``source`` as ``prog.py`` on one input in a fresh sandbox; return stdout or ``None``.
 
-    ``None`` means the program crashed, timed out or wrote non-UTF-8. The interpreter runs in
-    isolated mode (``-I``: no user site, no environment variables, no script dir on the path).
+    The program is untrusted agent code: it runs in the environment's sandbox
+    (``closedloop.envs.sandbox.run_command``: audit hook, resource limits, private directory)
+    with only ``prog.py`` and the input file. ``None`` means it crashed, timed out or its output
+    was cut. A sandbox infrastructure failure raises ``SandboxInfraError`` (never a score).
     """
-    with tempfile.TemporaryDirectory(prefix="closedloop-grade-") as tmp:
-        with open(os.path.join(tmp, "prog.py"), "w", encoding="utf-8") as f:
-            f.write(source)
-        with open(os.path.join(tmp, input_name), "w", encoding="utf-8") as f:
-            f.write(input_text)
-        try:
-            proc = subprocess.run([sys.executable, "-I", "prog.py", input_name], cwd=tmp,
-                                  capture_output=True, timeout=timeout_s, check=False,
-                                  env={"PATH": os.environ.get("PATH", "")},
-                                  stdin=subprocess.DEVNULL)
-        except subprocess.TimeoutExpired:
-            return None
-    if proc.returncode != 0:
+    result = run_command(["python3", "prog.py", input_name],
+                         {"prog.py": source, input_name: input_text}, timeout_s=timeout_s)
+    if result.timed_out or result.truncated or result.exit_code != 0:
         return None
-    try:
-        return proc.stdout.decode("utf-8")
-    except UnicodeDecodeError:
-        return None
+    return result.stdout
 
 
 def grade_program_output(checks: Mapping[str, Any], files: Mapping[str, str]) -> GradeResult:

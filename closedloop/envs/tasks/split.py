@@ -24,7 +24,7 @@ from closedloop.envs.task import Split, TaskBundle
 from closedloop.envs.tasks.base import TaskFamily, build_bundle
 from closedloop.envs.tasks.registry import FAMILIES
 
-SolvabilityFilter = Callable[[TaskBundle], "str | None"]
+SolvabilityFilter = Callable[[TaskBundle], str | None]
 """Return ``None`` if the task is solvable and well-posed, else the reason to discard it."""
 
 INDEX_SPACE = 10_000

@@ -35,7 +35,9 @@ def train(cfg: RunConfig, run_dir: str | Path) -> dict[str, Any]:
         if not run.resume():
             run.publish(version_name(0))
         start = run.evaluate("start", run.registry.manifest(version_name(0)))
-        if run.step > 0:
+        if run.step == 0:
+            run.audit_frozen("start", run.registry.manifest(version_name(0)))
+        else:
             log("the start policy's evaluation was reused from its trace")
         steps: list[StepReport] = []
         for step in range(run.step, cfg.training.rl_steps):

@@ -32,25 +32,25 @@ MEMORY_POLICY = "exact-history-v1"
 
 
 def _tool(name: str, description: str, **params: str) -> dict[str, Any]:
-    props = {k: {"type": "integer" if k == "count" else "array" if k == "args" else "string",
-                 "description": v} for k, v in params.items()}
-    required = [k for k in params if k not in ("count", "args")]
-    if name == "list_dir":
-        required = []
-    return {"name": name, "description": description,
-            "parameters": {"type": "object", "properties": props, "required": required}}
+    """A compact tool schema: parameter name -> JSON type (every listed parameter required)."""
+    return {"name": name, "description": description, "parameters": params}
 
 
 AGENT_TOOLS: tuple[dict[str, Any], ...] = (
-    _tool("list_dir", "List files.", path="directory"),
-    _tool("read_file", "Read a file.", path="file path"),
-    _tool("write_file", "Overwrite a file.", path="file path", content="the whole new text"),
-    _tool("replace", "Replace exact text in a file.", path="file path", old="text to find",
-          new="replacement text"),
-    _tool("run", "Run a command of the task.", command="command name"),
+    _tool("list_dir", "List files.", path="string"),
+    _tool("read_file", "Read a file.", path="string"),
+    _tool("write_file", "Overwrite a file with content.", path="string", content="string"),
+    _tool("replace", "Replace the exact text old with new in a file.", path="string",
+          old="string", new="string"),
+    _tool("run", "Run one of the task's commands.", command="string"),
     _tool("finish", "Declare the task done."),
 )
-"""The tool schemas shown to the model: one fixed list for every task (the scaffold)."""
+"""The tool schemas shown to the model: one fixed, compact list for every task (the scaffold).
+
+Optional arguments the environment also accepts (``replace.count``, ``run.args``) are left out
+on purpose: a 135M model does better with fewer choices, and every task is solvable without
+them. The prompt lists each task's own command names.
+"""
 
 
 def task_info(task_id: str) -> tuple[str, str]:

@@ -38,6 +38,7 @@ import torch
 
 from closedloop.config import RunConfig
 from closedloop.contracts import (
+    ClosedloopError,
     Episode,
     PolicyManifest,
     TraceWriter,
@@ -50,6 +51,7 @@ from closedloop.envs.tasks.overlap import audit_overlap
 from closedloop.envs.tasks.registry import get_bundle
 from closedloop.envs.tasks.split import build_task_sets
 from closedloop.evaluate.heldout import EvalSummary, summarize_eval
+from closedloop.learn.audit import AuditResult, audit_logprobs
 from closedloop.learn.checkpoint import (
     capture_rng_states,
     load_latest,
@@ -78,6 +80,10 @@ from closedloop.runtime import (
 from closedloop.verify.verifier import Verifier
 
 GENERATOR_WORKER = "generator-0"
+
+
+class ConsistencyGateError(ClosedloopError):
+    """Generator and trainer disagree on log-probs at one version beyond the tolerance."""
 
 
 @dataclass(frozen=True)
@@ -166,7 +172,7 @@ class TrainingRun:
         overlap = audit_overlap(sets.train, sets.heldout)
         self._write_json("tasks.json", {
             "train": self.train_tasks, "heldout": self.heldout_tasks,
-            "discarded": [str(d) for d in sets.discarded], "overlap": str(overlap)})
+            "discarded": [str(d) for d in sets.discarded], "overlap": overlap.to_dict()})
         log(f"tasks: {len(self.train_tasks)} train / {len(self.heldout_tasks)} held-out, "
             f"{len(sets.discarded)} discarded by the solvability filter")
 
@@ -328,6 +334,27 @@ class TrainingRun:
         self.log_metrics("eval", {"label": label, **summary.to_dict()})
         return summary
 
+    def audit_frozen(self, label: str, manifest: PolicyManifest) -> AuditResult:
+        """Generator vs trainer log-probs at the frozen checkpoint that sampled eval ``label``.
+
+        Raises ``ConsistencyGateError`` when the declared tolerance is exceeded: the strict
+        synchronous objective is only valid when the two paths agree.
+        """
+        _, episodes = load_episodes(self.dir / "traces" / f"eval-{label}.jsonl")
+        tol = self.cfg.consistency.max_abs_tolerance
+        result = audit_logprobs(self.model, episodes, manifest.weight_checksum,
+                                tolerance_max=tol, tolerance_p95=tol / 10, pad_id=self.pad_id)
+        self._write_json("audit.json", {"label": label, "version": manifest.policy_version,
+                                        **result.to_dict()})
+        self.log_metrics("audit", result.to_dict())
+        log(f"log-prob audit at {manifest.policy_version}: max |Δ| {result.abs_max:.2e}, p95 "
+            f"{result.abs_p95:.2e}, k3 {result.k3:.2e} over {result.n_tokens} tokens -> "
+            f"{'pass' if result.passed else 'FAIL'}")
+        if not result.passed:
+            raise ConsistencyGateError(f"generator/trainer mismatch {result.abs_max:.3e} "
+                                       f"exceeds the tolerance {tol:.1e}")
+        return result
+
     # ------------------------------------------------------------------ one RL step
     def step_groups(self, step: int) -> list[tuple[str, str, int, int]]:
         """The groups of RL step ``step``: deterministic task choice, seed and group ids."""
@@ -372,6 +399,7 @@ class TrainingRun:
         metrics: dict[str, Any] = {}
         output: str | None = None
         if batch_eps:
+            self.ledger.require_admitted([g.lease.group_id for g in admitted])
             batch = build_training_batch(batch_eps, pad_id=self.pad_id)
             result = self.trainer.step(batch, torch.tensor(adv), torch.tensor(success))
             metrics = dict(result.metrics)

@@ -28,7 +28,6 @@ The tensor checksum (:func:`state_dict_checksum`) must agree byte for byte with
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import os
@@ -47,8 +46,9 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from closedloop.contracts.errors import ClosedloopError
-from closedloop.contracts.hashing import HASH_PREFIX, canonical_json, sha256_hex
+from closedloop.contracts.hashing import canonical_json
 from closedloop.contracts.manifest import PolicyManifest
+from closedloop.policy.weights import combine_checksums, state_dict_checksum
 
 __all__ = [
     "ChecksumMismatchError",
@@ -108,35 +108,7 @@ def version_index(version: str) -> int:
 
 
 # ----------------------------------------------------------------------------- checksums
-def state_dict_checksum(state: Mapping[str, torch.Tensor]) -> str:
-    """Return ``sha256:<hex>`` of a state dict, in canonical order.
-
-    Recipe (identical to ``closedloop.policy.weights``): for each name in sorted order, hash
-    ``utf8(f"{name}\\0{dtype}\\0{tuple(shape)}\\0{nbytes}\\0")`` then the tensor's detached,
-    CPU, C-contiguous bytes; ``dtype`` is ``str(t.dtype)`` without the ``torch.`` prefix.
-    """
-    h = hashlib.sha256()
-    for name in sorted(state):
-        t = state[name]
-        flat = t.detach().to("cpu").contiguous().reshape(-1)
-        data = flat.view(torch.uint8).numpy().data
-        dtype = str(t.dtype).removeprefix("torch.")
-        h.update(f"{name}\0{dtype}\0{tuple(t.shape)}\0{data.nbytes}\0".encode())
-        h.update(data)
-    return HASH_PREFIX + h.hexdigest()
-
-
-def combine_checksums(base: str, adapter: str | None) -> str:
-    """Return one policy checksum for base weights plus an optional LoRA adapter.
-
-    ``base`` when there is no adapter, else ``sha256("closedloop-policy-v1\\0" + base + "\\0"
-    + adapter)`` (identical to ``closedloop.policy.weights.combine_checksums``).
-    """
-    if adapter is None:
-        return base
-    return sha256_hex(f"closedloop-policy-v1\0{base}\0{adapter}")
-
-
+# One recipe for every checksum: closedloop.policy.weights (state dict and base+adapter).
 # ----------------------------------------------------------------------------- durable files
 def fsync_dir(path: Path) -> None:
     """Flush a directory entry (a rename or a new file inside it) to disk."""

@@ -1,0 +1,45 @@
+"""Rollout: version-pinned group collection, training tensors, replay, ledger and admission."""
+
+from closedloop.rollout.admission import (
+    AdmissionController,
+    AdmissionDecision,
+    AdmissionStats,
+    apply_decision,
+)
+from closedloop.rollout.collector import CollectedGroup, Collector, CollectorConfig
+from closedloop.rollout.ledger import (
+    DuplicateConsumptionError,
+    DuplicateGroupError,
+    ExactlyOnceReport,
+    GroupSummary,
+    IllegalTransitionError,
+    Ledger,
+    LedgerCounts,
+    LedgerError,
+    LedgerInconsistencyError,
+    ReconcileReport,
+    UnknownGroupError,
+)
+from closedloop.rollout.replay import ReplayReport, replay_trace
+from closedloop.rollout.source import ActionSample, GeneratorSource, ScriptedSource
+from closedloop.rollout.tensors import (
+    ShiftedTargets,
+    TrainingBatch,
+    build_training_batch,
+    shift_targets,
+)
+
+__all__ = [  # noqa: RUF022 -- grouped by topic
+    # collection
+    "ActionSample", "CollectedGroup", "Collector", "CollectorConfig", "GeneratorSource",
+    "ScriptedSource",
+    # training tensors
+    "ShiftedTargets", "TrainingBatch", "build_training_batch", "shift_targets",
+    # replay
+    "ReplayReport", "replay_trace",
+    # admission and the exactly-once ledger
+    "AdmissionController", "AdmissionDecision", "AdmissionStats", "apply_decision",
+    "ExactlyOnceReport", "GroupSummary", "Ledger", "LedgerCounts", "ReconcileReport",
+    "DuplicateConsumptionError", "DuplicateGroupError", "IllegalTransitionError",
+    "LedgerError", "LedgerInconsistencyError", "UnknownGroupError",
+]

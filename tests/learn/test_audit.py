@@ -1,0 +1,82 @@
+"""The log-prob consistency auditor: |Δ| ≈ 0 at one version; fails on a dtype or a shifted mask."""
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from closedloop.contracts import ContractError, Episode, SamplerConfig, sha256_hex
+from closedloop.envs.tasks.registry import list_tasks
+from closedloop.learn.audit import audit_logprobs
+from closedloop.policy import ChatRenderer, HFGenerator, build_tiny_model, load_embedded_tokenizer
+from closedloop.policy.weights import weights_checksum
+from closedloop.rollout.source import GeneratorSource
+from closedloop.runtime import (
+    AGENT_TOOLS,
+    SYSTEM_PROMPT,
+    CollectorParts,
+    build_manifest,
+    make_collector,
+)
+from closedloop.verify.verifier import Verifier
+
+
+@pytest.fixture(scope="module")
+def sampled():
+    """Multi-turn episodes sampled by the HF generator from a peaked tiny model."""
+    tok = load_embedded_tokenizer()
+    model = build_tiny_model(tok, seed=2, init_std=0.3)
+    checksum = weights_checksum(model)
+    renderer = ChatRenderer(tok, SYSTEM_PROMPT, list(AGENT_TOOLS))
+    sampler = SamplerConfig()
+    manifest = build_manifest(policy_version="v0000", weight_checksum=checksum,
+                              tokenizer_revision=sha256_hex("t"), renderer=renderer,
+                              sampler=sampler, step_budget=8, max_action_tokens=12,
+                              model_id="tiny")
+    source = GeneratorSource(HFGenerator(model, tok, weight_checksum=checksum, seed=1),
+                             renderer.action_text, sampler, 12, "hf")
+    collector = make_collector(source, manifest,
+                               CollectorParts(renderer, Verifier(), "audit", None, 8))
+    task = list_tasks(split="train")[3]
+    groups = collector.collect([collector.make_lease("g", task, 11, 3)])
+    return model, checksum, [ep for g in groups for ep in g.episodes]
+
+
+def test_same_version_fp32_passes(sampled):
+    model, checksum, episodes = sampled
+    result = audit_logprobs(model, episodes, checksum)
+    assert result.n_tokens == sum(len(t.action_token_ids) for e in episodes for t in e.turns)
+    assert result.abs_max < 1e-4
+    assert 0 <= result.k3 < 1e-8
+    assert result.passed
+
+
+def test_bf16_trainer_path_fails_the_gate(sampled):
+    model, checksum, episodes = sampled
+    result = audit_logprobs(copy.deepcopy(model).to(torch.bfloat16), episodes, checksum)
+    assert result.trainer_dtype == "bfloat16"
+    assert result.abs_max > 1e-3
+    assert not result.passed
+
+
+def shift_logprobs(ep):
+    """Misalign the recorded log-probs by one position (a mask shifted by one)."""
+    turns = []
+    for t in ep.turns:
+        raw = t.raw_model_logprobs
+        turns.append(dataclasses.replace(t, raw_model_logprobs=raw[1:] + raw[:1]))
+    return Episode(ep.trajectory, tuple(turns))
+
+
+def test_shifted_alignment_fails_the_gate(sampled):
+    model, checksum, episodes = sampled
+    result = audit_logprobs(model, [shift_logprobs(e) for e in episodes], checksum)
+    assert result.abs_max > 1e-2
+    assert not result.passed
+
+
+def test_other_weights_are_not_a_same_version_audit(sampled):
+    model, _, episodes = sampled
+    with pytest.raises(ContractError, match="other weights"):
+        audit_logprobs(model, episodes, sha256_hex("another version"))

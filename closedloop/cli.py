@@ -120,6 +120,57 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def cmd_collect(args: argparse.Namespace) -> int:
+    """Collect groups of G sibling episodes per task with a model; write and summarize the trace."""
+    from collections import Counter
+
+    from closedloop.contracts import SamplerConfig, TraceWriter
+    from closedloop.envs.tasks.registry import list_tasks
+    from closedloop.policy import ChatRenderer, HFGenerator, load_model
+    from closedloop.progress import Progress, log
+    from closedloop.rollout.source import GeneratorSource
+    from closedloop.runtime import (
+        AGENT_TOOLS,
+        SYSTEM_PROMPT,
+        CollectorParts,
+        build_manifest,
+        make_collector,
+    )
+    from closedloop.verify.verifier import Verifier
+
+    loaded = load_model(None if args.model in (None, "embedded") else args.model)
+    log(f"model {loaded.model_id} from {loaded.source} in {loaded.load_seconds:.1f}s")
+    renderer = ChatRenderer(loaded.tokenizer, SYSTEM_PROMPT, list(AGENT_TOOLS))
+    sampler = SamplerConfig(args.temperature, args.top_p, args.top_k)
+    manifest = build_manifest(policy_version="v0000", weight_checksum=loaded.weight_checksum,
+                              tokenizer_revision=loaded.tokenizer_revision, renderer=renderer,
+                              sampler=sampler, step_budget=args.max_turns,
+                              max_action_tokens=args.max_action_tokens,
+                              model_id=loaded.model_id)
+    gen = HFGenerator(loaded.model, loaded.tokenizer, weight_checksum=loaded.weight_checksum,
+                      seed=args.seed)
+    source = GeneratorSource(gen, renderer.action_text, sampler, args.max_action_tokens,
+                             manifest.generator_build)
+    tasks = list_tasks(split=None if args.tasks == "all" else args.tasks)[: args.limit]
+    out = Path(args.out or f"runs/collect/{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
+    with TraceWriter(out) as writer:
+        collector = make_collector(source, manifest, CollectorParts(
+            renderer, Verifier(), f"collect-{out.stem}", writer, args.max_turns))
+        leases = [collector.make_lease(f"g{i:03d}", t, args.seed, args.group_size)
+                  for i, t in enumerate(tasks)]
+        with Progress(len(leases) * args.group_size, "collect") as bar:
+            groups = collector.collect(leases, progress=bar.update)
+    trajs = [ep.trajectory for g in groups for ep in g.episodes]
+    scored = [t.task_success for t in trajs if t.task_success is not None]
+    data = {"trace": str(out), "groups": len(groups), "episodes": len(trajs),
+            "scored": len(scored), "success_rate": sum(scored) / len(scored) if scored else None,
+            "termination": dict(Counter(t.termination.value for t in trajs)),
+            "action_tokens": sum(t.num_action_tokens for t in trajs),
+            "generator": gen.stats.__dict__}
+    _print(data, args.json, "\n".join(f"{k}: {v}" for k, v in data.items()))
+    return 0
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     """Run (or resume) a training run from a config file."""
     from closedloop.config import load_config
@@ -165,6 +216,19 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("replay", help="re-execute a trace and check it reproduces")
     r.add_argument("trace")
     r.set_defaults(fn=cmd_replay)
+    co = sub.add_parser("collect", help="collect groups of episodes with a model")
+    co.add_argument("--tasks", choices=["train", "heldout", "all"], default="heldout")
+    co.add_argument("--group-size", type=int, default=8)
+    co.add_argument("--model", help="'embedded' (default) or a local Hugging Face folder")
+    co.add_argument("--temperature", type=float, default=1.0)
+    co.add_argument("--top-p", type=float, default=1.0)
+    co.add_argument("--top-k", type=int)
+    co.add_argument("--max-turns", type=int, default=8)
+    co.add_argument("--max-action-tokens", type=int, default=96)
+    co.add_argument("--limit", type=int, help="only the first N tasks")
+    co.add_argument("--seed", type=int, default=11)
+    co.add_argument("--out", help="trace path (default runs/collect/<time>.jsonl)")
+    co.set_defaults(fn=cmd_collect)
     tr = sub.add_parser("train", help="run or resume training from a YAML config")
     tr.add_argument("config")
     tr.add_argument("--run-dir")
@@ -173,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--run-dir")
     sm.add_argument("--model", help="a local Hugging Face model folder instead")
     sm.set_defaults(fn=cmd_smoke)
-    for sp in (t, pl, r, tr, sm):
+    for sp in (t, pl, r, co, tr, sm):
         sp.add_argument("--json", action="store_true", help="machine-readable output")
     return p
 

@@ -25,6 +25,7 @@ are reproducible for a given seed *and* batch composition.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,12 +56,14 @@ class _Session:
 
 @dataclass
 class GeneratorStats:
-    """Counters since construction: ids prefilled, ids decoded, forward calls, batches."""
+    """Counters since construction: ids prefilled/decoded, forward calls, batches, seconds."""
 
     prefill_tokens: int = 0
     decode_tokens: int = 0
     forward_calls: int = 0
     batches: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
 
 
 @dataclass
@@ -77,15 +80,18 @@ class HFGenerator:
 
     ``stop_token_ids`` default to ``default_stop_token_ids(tokenizer)`` (EOS, ``<|im_end|>``,
     ``<|endoftext|>``); ``stop_sequences`` and the ``seed`` of ``self.rng`` are the defaults of
-    ``generate_batch`` calls that pass none.
+    ``generate_batch`` calls that pass none. ``growing_cache=False`` uses transformers' plain
+    ``DynamicLayer`` (re-concatenates the cache every step) instead of ``kv_cache.GrowingKVLayer``.
     ``weight_checksum`` is computed from the model unless given; call ``refresh_weights`` after
     changing the weights in place (it also drops every KV cache: they belong to old weights).
     """
 
     def __init__(self, model: Any, tokenizer: Any, *, weight_checksum: str | None = None,
                  reprefill: bool = False, stop_token_ids: Sequence[int] | None = None,
-                 stop_sequences: Sequence[str] = (TOOL_CALL_CLOSE,), seed: int = 0) -> None:
+                 stop_sequences: Sequence[str] = (TOOL_CALL_CLOSE,), seed: int = 0,
+                 growing_cache: bool = True) -> None:
         self.model = model
+        self.growing_cache = growing_cache
         self.stop_sequences = tuple(stop_sequences)
         self.rng = torch.Generator().manual_seed(seed)
         self.tokenizer = tokenizer
@@ -169,37 +175,22 @@ class HFGenerator:
         ``self.rng``). Returns one ``Generation`` per session, in order; each session's
         context then ends with its action ids.
         """
-        if stop_sequences is None:
-            stop_sequences = self.stop_sequences
-        if generator is None:
-            generator = self.rng
-        if len(set(sessions)) != len(sessions) or not sessions:
-            raise GenerationError("generate_batch needs distinct sessions, at least one")
-        if max_new_tokens < 1:
-            raise GenerationError("max_new_tokens must be >= 1")
-        states = [self._session(s) for s in sessions]
-        if self.reprefill:
-            for st in states:
-                st.kv, st.n_cached = None, 0
+        stop_sequences = self.stop_sequences if stop_sequences is None else stop_sequences
+        generator = self.rng if generator is None else generator
+        states = self._batch_states(sessions, max_new_tokens)
         matcher = StopMatcher(self.tokenizer, stop_sequences, self.stop_token_ids)
-        logits_B_V, cache, mask_B_L, pos_B = self._prefill(states)
+        t0 = time.perf_counter()
+        logits_B_V, cache, mask_B_L, pos_B = self._prefill(states, max_new_tokens)
+        t1 = time.perf_counter()
         rows = [_Row(s) for s in sessions]
         live = list(range(len(rows)))
-        self.stats.batches += 1
         for _ in range(max_new_tokens):
             step = sample_step(logits_B_V, sampler, generator)
             for j, r in enumerate(live):
-                row = rows[r]
-                row.ids.append(int(step.ids_B[j]))
-                row.behavior.append(float(step.behavior_logprobs_B[j]))
-                row.raw.append(float(step.raw_logprobs_B[j]))
-                row.finish = matcher.check(row.ids)
-                if row.finish is None and len(row.ids) >= max_new_tokens:
-                    row.finish = "length"
-            keep = [j for j, r in enumerate(live) if rows[r].finish is None]
-            for j, r in enumerate(live):
+                _record(rows[r], step, j, matcher, max_new_tokens)
                 if rows[r].finish is not None:
                     self._finish(states[r], rows[r], cache, j, mask_B_L[j])
+            keep = [j for j, r in enumerate(live) if rows[r].finish is None]
             if not keep:
                 break
             live = [live[j] for j in keep]
@@ -211,10 +202,25 @@ class HFGenerator:
             pos_B = pos_B[idx] + 1
             logits_B_V = self._forward(last_B_1, mask_B_L, pos_B[:, None], cache)
             self.stats.decode_tokens += len(keep)
+        self.stats.batches += 1
+        self.stats.prefill_s += t1 - t0
+        self.stats.decode_s += time.perf_counter() - t1
         return [Generation(r.ids, r.behavior, r.raw, r.finish or "length") for r in rows]
 
-    def _prefill(self, states: list[_Session]) -> tuple[torch.Tensor, Any, torch.Tensor,
-                                                        torch.Tensor]:
+    def _batch_states(self, sessions: Sequence[SessionId], max_new: int) -> list[_Session]:
+        """Validate a batch request; drop the caches first when re-prefilling."""
+        if not sessions or len(set(sessions)) != len(sessions):
+            raise GenerationError("generate_batch needs distinct sessions, at least one")
+        if max_new < 1:
+            raise GenerationError("max_new_tokens must be >= 1")
+        states = [self._session(s) for s in sessions]
+        if self.reprefill:
+            for st in states:
+                st.kv, st.n_cached = None, 0
+        return states
+
+    def _prefill(self, states: list[_Session], max_new: int) -> tuple[torch.Tensor, Any,
+                                                                       torch.Tensor, torch.Tensor]:
         """Prefill pending ids of unique rows; return last logits, cache, mask, last positions."""
         keys = [(id(st.kv), st.n_cached, tuple(st.ids[st.n_cached:])) for st in states]
         unique: dict[tuple[int, int, tuple[int, ...]], int] = {}
@@ -232,7 +238,8 @@ class HFGenerator:
             masks.append([0] * (c_max - st.n_cached) + [1] * st.n_cached
                          + [0] * (p_max - p) + [1] * p)
             positions.append([0] * (p_max - p) + list(range(st.n_cached, st.n_cached + p)))
-        cache = _batched_cache(firsts, c_max)
+        cache = _new_cache([st.kv for st in firsts], c_max, c_max + p_max + max_new,
+                           self.growing_cache)
         mask_U_L = torch.tensor(masks)
         pos_U_P = torch.tensor(positions)
         logits_U_V = self._forward(torch.tensor(inputs), mask_U_L, pos_U_P, cache)
@@ -251,10 +258,9 @@ class HFGenerator:
 
     def _finish(self, st: _Session, row: _Row, cache: Any, j: int, mask_L: torch.Tensor) -> None:
         """Hand a finished row's ids and its cache (padding squeezed out) back to its session."""
-        keep_L = mask_L.bool()
-        st.kv = None if self.reprefill else [
-            (layer.keys[j][:, keep_L].unsqueeze(0), layer.values[j][:, keep_L].unsqueeze(0))
-            for layer in cache.layers]
+        from closedloop.policy.kv_cache import row_cache
+
+        st.kv = None if self.reprefill else row_cache(cache, j, mask_L)
         st.ids.extend(row.ids)
         st.n_cached = len(st.ids) - 1 if st.kv is not None else 0
 
@@ -271,25 +277,27 @@ class HFGenerator:
         return out
 
 
-def _batched_cache(states: list[_Session], c_max: int) -> Any:
-    """Left-pad each session's KV to ``c_max`` and stack them into one ``DynamicCache``."""
+def _record(row: _Row, step: Any, j: int, matcher: StopMatcher, max_new: int) -> None:
+    """Append row ``j`` of a sampling step to ``row`` and decide whether it finished."""
+    row.ids.append(int(step.ids_B[j]))
+    row.behavior.append(float(step.behavior_logprobs_B[j]))
+    row.raw.append(float(step.raw_logprobs_B[j]))
+    row.finish = matcher.check(row.ids)
+    if row.finish is None and len(row.ids) >= max_new:
+        row.finish = "length"
+
+
+def _new_cache(caches: list[KV | None], c_max: int, reserve: int, growing: bool) -> Any:
+    """Stack session caches into one batch cache: in-place growing layers, or plain
+    ``DynamicLayer`` ones (which ``torch.cat`` on every step; kept for benchmarks)."""
+    from closedloop.policy.kv_cache import batch_cache
+
+    if growing:
+        return batch_cache(caches, c_max, reserve)
     from transformers import DynamicCache
 
     if c_max == 0:
         return DynamicCache()
-    ref = next(st.kv for st in states if st.kv is not None)
-    layers = []
-    for li, (k_ref, _) in enumerate(ref):
-        ks, vs = [], []
-        for st in states:
-            if st.kv is None:
-                ks.append(k_ref.new_zeros(1, k_ref.shape[1], c_max, k_ref.shape[3]))
-                vs.append(ks[-1])
-                continue
-            k, v = st.kv[li]
-            pad = c_max - k.shape[2]
-            ks.append(torch.nn.functional.pad(k, (0, 0, pad, 0)) if pad else k)
-            vs.append(torch.nn.functional.pad(v, (0, 0, pad, 0)) if pad else v)
-        layers.append((torch.cat(ks, 0), torch.cat(vs, 0)))
-    return DynamicCache(ddp_cache_data=layers)
-
+    padded = batch_cache(caches, c_max, c_max)
+    data = [(layer.keys, layer.values) for layer in padded.layers]
+    return DynamicCache(ddp_cache_data=data)

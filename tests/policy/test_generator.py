@@ -83,10 +83,12 @@ def test_kv_reuse_equals_reprefill(tiny_model, tokenizer, renderer):
     tasks = ["Repair a.json", "Repair a.json", "Fix the CLI flags in tool.py", "b"]
     reuse = HFGenerator(tiny_model, tokenizer)
     full = HFGenerator(tiny_model, tokenizer, reprefill=True)
+    plain = HFGenerator(tiny_model, tokenizer, growing_cache=False)
     _, rec_a = run_episodes(reuse, renderer, tasks, NUCLEUS)
     _, rec_b = run_episodes(full, renderer, tasks, NUCLEUS)
+    _, rec_c = run_episodes(plain, renderer, tasks, NUCLEUS)
     worst = 0.0
-    for row_a, row_b in zip(rec_a, rec_b, strict=True):
+    for row_a, row_b in [*zip(rec_a, rec_b, strict=True), *zip(rec_a, rec_c, strict=True)]:
         for (start_a, a), (start_b, b) in zip(row_a, row_b, strict=True):
             assert start_a == start_b and a.action_token_ids == b.action_token_ids
             for x, y in ((a.raw_model_logprobs, b.raw_model_logprobs),
@@ -96,6 +98,23 @@ def test_kv_reuse_equals_reprefill(tiny_model, tokenizer, renderer):
     # reuse prefills only new ids; identical turn-0 prompts (rows 0, 1) are prefilled once
     assert reuse.stats.prefill_tokens < full.stats.prefill_tokens / 2
     assert reuse.stats.decode_tokens == full.stats.decode_tokens
+
+
+def test_growing_kv_layer_equals_concatenation():
+    from closedloop.policy.kv_cache import GrowingKVLayer
+
+    layer, ks, vs = GrowingKVLayer(reserve=0), [], []
+    gen = torch.Generator().manual_seed(0)
+    for q in (5, 1, 1, 70, 1, 200, 3):
+        k, v = torch.randn(2, 3, q, 4, generator=gen), torch.randn(2, 3, q, 4, generator=gen)
+        ks.append(k)
+        vs.append(v)
+        got_k, got_v = layer.update(k, v)
+        assert torch.equal(got_k, torch.cat(ks, 2)) and torch.equal(got_v, torch.cat(vs, 2))
+    layer.batch_select_indices(torch.tensor([1]))
+    assert torch.equal(layer.keys, torch.cat(ks, 2)[1:]) and layer.get_seq_length() == 281
+    k, v = torch.ones(1, 3, 1, 4), torch.zeros(1, 3, 1, 4)
+    assert torch.equal(layer.update(k, v)[0][:, :, -1:], k)
 
 
 def test_batched_rows_equal_single_rows(peaked_model, tokenizer, renderer):

@@ -1,0 +1,114 @@
+"""KV-cache plumbing for the batched generator: per-session caches <-> one padded batch cache.
+
+A session's cache is a list over layers of ``(keys, values)``, each ``[1, H_kv, n, D]`` for its
+``n`` processed ids, with no padding. ``batch_cache`` left-pads them to a common length ``C`` and
+stacks them into one transformers ``DynamicCache`` whose layers (``GrowingKVLayer``) append in
+place into a buffer with headroom, so a decode step copies only the new keys/values instead of
+re-concatenating the whole cache (``DynamicLayer`` does ``torch.cat`` on every step: ~17% of an
+SmolLM2 decode step at batch 8 and 400 cached ids). ``row_cache`` takes one row back out with
+the padding squeezed away (a boolean index over the attention mask, so it is a copy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each [1, H, n, D]
+
+
+class GrowingKVLayer(DynamicLayer):
+    """A ``DynamicLayer`` that appends in place into a buffer of capacity >= length.
+
+    ``keys``/``values`` are views ``buffer[:, :, :n]`` (last dim contiguous). The first
+    allocation reserves ``reserve`` positions; later growth adds 50% (at least 64).
+    """
+
+    def __init__(self, reserve: int = 0) -> None:
+        super().__init__()
+        self.reserve = reserve
+        self._kbuf: torch.Tensor | None = None
+        self._vbuf: torch.Tensor | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``[B, H, q, D]`` keys/values; return the full ``[B, H, n + q, D]`` views."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n, q = self.get_seq_length(), key_states.shape[-2]
+        kbuf, vbuf = self._kbuf, self._vbuf
+        if kbuf is None or vbuf is None or n + q > kbuf.shape[-2]:
+            kbuf, vbuf = self._grow(n, n + q, key_states, value_states)
+        kbuf[:, :, n:n + q] = key_states
+        vbuf[:, :, n:n + q] = value_states
+        self.keys, self.values = kbuf[:, :, :n + q], vbuf[:, :, :n + q]
+        return self.keys, self.values
+
+    def _grow(self, n: int, need: int, k_like: torch.Tensor,
+              v_like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cap = max(need + max(need // 2, 64), self.reserve)
+        b, h, _, d = k_like.shape
+        kbuf = k_like.new_empty(b, h, cap, d)
+        vbuf = v_like.new_empty(b, h, cap, v_like.shape[-1])
+        if n and self.keys is not None and self.values is not None:
+            kbuf[:, :, :n] = self.keys
+            vbuf[:, :, :n] = self.values
+        self._kbuf, self._vbuf = kbuf, vbuf
+        return kbuf, vbuf
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only rows ``indices`` (buffers included)."""
+        n = self.get_seq_length()
+        if self._kbuf is None or self._vbuf is None or n == 0:
+            return
+        self._kbuf, self._vbuf = self._kbuf[indices], self._vbuf[indices]
+        self.keys, self.values = self._kbuf[:, :, :n], self._vbuf[:, :, :n]
+
+
+def batch_cache(caches: Sequence[KV | None], c_max: int, reserve: int) -> Any:
+    """Left-pad each session cache (``None`` = nothing cached) to ``c_max`` and stack them.
+
+    ``reserve``: total positions to allocate up front (cached + pending + new tokens).
+    """
+    cache: Any = DynamicCache()
+    cache.layer_class_to_replicate = None
+    ref = next((kv for kv in caches if kv is not None), None)
+    if ref is None or c_max == 0:
+        cache.layers = []
+        cache.layer_class_to_replicate = _reserving(reserve)
+        return cache
+    layers = []
+    for li, (k_ref, v_ref) in enumerate(ref):
+        ks, vs = [], []
+        for kv in caches:
+            if kv is None:
+                ks.append(k_ref.new_zeros(1, k_ref.shape[1], c_max, k_ref.shape[3]))
+                vs.append(v_ref.new_zeros(1, v_ref.shape[1], c_max, v_ref.shape[3]))
+                continue
+            k, v = kv[li]
+            pad = c_max - k.shape[2]
+            ks.append(torch.nn.functional.pad(k, (0, 0, pad, 0)) if pad else k)
+            vs.append(torch.nn.functional.pad(v, (0, 0, pad, 0)) if pad else v)
+        layer = GrowingKVLayer(reserve)
+        layer.update(torch.cat(ks, 0), torch.cat(vs, 0))
+        layers.append(layer)
+    cache.layers = layers
+    return cache
+
+
+def row_cache(cache: Any, row: int, mask_L: torch.Tensor) -> KV:
+    """Return row ``row`` of a batch cache as a session cache, keeping positions where mask=1."""
+    keep_L = mask_L.bool()
+    return [(layer.keys[row][:, keep_L].unsqueeze(0), layer.values[row][:, keep_L].unsqueeze(0))
+            for layer in cache.layers]
+
+
+def _reserving(reserve: int) -> Any:
+    class _Reserving(GrowingKVLayer):
+        def __init__(self) -> None:
+            super().__init__(reserve)
+
+    return _Reserving

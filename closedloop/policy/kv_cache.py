@@ -6,7 +6,7 @@ stacks them into one transformers ``DynamicCache`` whose layers (``GrowingKVLaye
 place into a buffer with headroom, so a decode step copies only the new keys/values instead of
 re-concatenating the whole cache (``DynamicLayer`` does ``torch.cat`` on every step: ~17% of an
 SmolLM2 decode step at batch 8 and 400 cached ids). ``row_cache`` takes one row back out with
-the padding squeezed away (a boolean index over the attention mask, so it is a copy).
+the padding squeezed away (a copy of the runs of real positions).
 """
 
 from __future__ import annotations
@@ -100,10 +100,31 @@ def batch_cache(caches: Sequence[KV | None], c_max: int, reserve: int) -> Any:
 
 
 def row_cache(cache: Any, row: int, mask_L: torch.Tensor) -> KV:
-    """Return row ``row`` of a batch cache as a session cache, keeping positions where mask=1."""
-    keep_L = mask_L.bool()
-    return [(layer.keys[row][:, keep_L].unsqueeze(0), layer.values[row][:, keep_L].unsqueeze(0))
-            for layer in cache.layers]
+    """Return row ``row`` of a batch cache as a session cache, keeping positions where mask=1.
+
+    The kept positions form at most a few runs (cached ids, then pending + decoded ids), so
+    the copy is a concatenation of slices rather than a gather.
+    """
+    runs = mask_runs(mask_L.tolist())
+    out: KV = []
+    for layer in cache.layers:
+        k, v = layer.keys[row:row + 1], layer.values[row:row + 1]
+        out.append((torch.cat([k[:, :, a:b] for a, b in runs], 2),
+                    torch.cat([v[:, :, a:b] for a, b in runs], 2)))
+    return out
+
+
+def mask_runs(mask: Sequence[int]) -> list[tuple[int, int]]:
+    """Return the ``[start, end)`` runs of ones in a 0/1 sequence, in order."""
+    runs: list[tuple[int, int]] = []
+    start = None
+    for i, m in enumerate([*mask, 0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
 
 
 def _reserving(reserve: int) -> Any:

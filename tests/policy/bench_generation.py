@@ -1,6 +1,8 @@
 """Benchmark (not a test): batched multi-turn generation with vs without KV reuse.
 
-Run: .venv/bin/python -m tests.policy.bench_generation [--turns 4] [--batch 8] [--tiny]
+Run: .venv/bin/python -m tests.policy.bench_generation [--turns 4] [--batch 8] [--threads 1]
+On a shared 2-core host, ``--threads 1`` avoids OpenMP oversubscription (measured: a batch-8
+decode step took 1.29 s with 2 threads vs 0.29 s with 1 while other jobs ran).
 Episode shape of design.md §6: ~200-token prompt, +40 observation ids and +24 action ids a turn.
 Prints load times, tokens/s for both modes, their ratio and whether greedy outputs agree; all
 ratios come from one run (the host drifts 10-25% between runs).
@@ -45,7 +47,11 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave default)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"torch threads: {torch.get_num_threads()}")
     t0 = time.perf_counter()
     loaded = load_model()
     print(f"load_model: {time.perf_counter() - t0:.1f}s (source={loaded.source}, "

@@ -117,6 +117,22 @@ def test_growing_kv_layer_equals_concatenation():
     assert torch.equal(layer.update(k, v)[0][:, :, -1:], k)
 
 
+def test_row_cache_squeezes_padding():
+    from transformers import DynamicCache
+
+    from closedloop.policy.kv_cache import mask_runs, row_cache
+
+    assert mask_runs([0, 0, 1, 1, 0, 1, 1, 1]) == [(2, 4), (5, 8)]
+    assert mask_runs([1, 1]) == [(0, 2)] and mask_runs([0]) == []
+    keys = torch.arange(2 * 1 * 8 * 2, dtype=torch.float32).reshape(2, 1, 8, 2)
+    cache = DynamicCache(ddp_cache_data=[(keys, -keys)])
+    mask = torch.tensor([0, 0, 1, 1, 0, 1, 1, 1])
+    ((k, v),) = row_cache(cache, 1, mask)
+    assert torch.equal(k, keys[1:, :, mask.bool()]) and torch.equal(v, -k)
+    assert k.shape == (1, 1, 5, 2) and k.untyped_storage().data_ptr() != \
+        keys.untyped_storage().data_ptr()
+
+
 def test_batched_rows_equal_single_rows(peaked_model, tokenizer, renderer):
     tasks = ["short", "a much longer task statement that pads the other rows " * 3, "mid task"]
     batched = HFGenerator(peaked_model, tokenizer)

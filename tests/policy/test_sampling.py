@@ -30,14 +30,13 @@ def reference_logprobs(logits, sampler, boundary=None):
     if sampler.top_p < 1.0:
         q = np.where(keep, np.exp(s - s[keep].max()), 0.0)
         q /= q.sum()
-        order = sorted(range(len(s)), key=lambda i: (-q[i], i))
-        before = 0.0
-        for rank, i in enumerate(order):
-            if rank > 0 and before >= sampler.top_p:
-                keep[i] = False
-            if boundary is not None and rank > 0 and abs(before - sampler.top_p) < 1e-9:
-                boundary.append(True)
-            before += q[i]
+        order = np.lexsort((np.arange(len(s)), -q))  # by probability desc, then lower id
+        before = np.concatenate([[0.0], np.cumsum(q[order])[:-1]])  # mass strictly before
+        drop = before >= sampler.top_p
+        drop[0] = False
+        keep[order[drop]] = False
+        if boundary is not None and np.any(np.abs(before[1:] - sampler.top_p) < 1e-9):
+            boundary.append(True)
     m = s[keep].max()
     lse = m + math.log(np.exp(s[keep] - m).sum())
     return np.where(keep, s - lse, -np.inf)

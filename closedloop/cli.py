@@ -197,6 +197,26 @@ def _run_training(cfg: Any, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_gates(args: argparse.Namespace) -> int:
+    """Evaluate the go/no-go gates of a run; exit 0 all pass, 1 a gate failed, 3 only
+    not-measured gates remain (2: not a run directory)."""
+    from closedloop.evaluate.gates import evaluate_gates, format_table
+
+    report = evaluate_gates(args.run_dir)
+    _print(report.to_dict(), args.json, format_table(report))
+    return report.exit_code
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """Write report.html and report.json for a run (or experiment) directory."""
+    from closedloop.evaluate.report import write_report
+
+    html_path, json_path = write_report(args.run_dir)
+    _print({"html": str(html_path), "json": str(json_path)}, args.json,
+           f"report: {html_path}\ndata: {json_path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     p = argparse.ArgumentParser(prog="closedloop", description=__doc__)
@@ -237,7 +257,13 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--run-dir")
     sm.add_argument("--model", help="a local Hugging Face model folder instead")
     sm.set_defaults(fn=cmd_smoke)
-    for sp in (t, pl, r, co, tr, sm):
+    ga = sub.add_parser("gates", help="evaluate the go/no-go gates of a run directory")
+    ga.add_argument("run_dir")
+    ga.set_defaults(fn=cmd_gates)
+    rp = sub.add_parser("report", help="write report.html and report.json for a run")
+    rp.add_argument("run_dir")
+    rp.set_defaults(fn=cmd_report)
+    for sp in (t, pl, r, co, tr, sm, ga, rp):
         sp.add_argument("--json", action="store_true", help="machine-readable output")
     return p
 

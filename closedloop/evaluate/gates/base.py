@@ -1,0 +1,109 @@
+"""Gate records and options shared by every gate module (see ``closedloop.evaluate.gates``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from closedloop.evaluate.rundir import RunDir
+
+__all__ = ["Gate", "GateFn", "GateOptions", "GateReport", "make_gate"]
+
+MAX_LISTED = 5
+
+
+@dataclass(frozen=True)
+class Gate:
+    """One gate's verdict. ``evidence`` holds numbers with their denominators (JSON values)."""
+
+    name: str
+    passed: bool | None
+    evidence: Mapping[str, Any]
+    detail: str
+    applicable: bool = True
+
+    @property
+    def status(self) -> str:
+        """``PASS``, ``FAIL``, ``NOT MEASURED`` or ``N/A``."""
+        if not self.applicable:
+            return "N/A"
+        return {True: "PASS", False: "FAIL", None: "NOT MEASURED"}[self.passed]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        return {"name": self.name, "status": self.status, "passed": self.passed,
+                "applicable": self.applicable, "detail": self.detail,
+                "evidence": dict(self.evidence)}
+
+
+@dataclass(frozen=True)
+class GateReport:
+    """All gates of one run, in the seed's order."""
+
+    run_dir: str
+    gates: tuple[Gate, ...]
+
+    @property
+    def all_passed(self) -> bool:
+        """True only when every gate passed (not measured is not a pass)."""
+        return bool(self.gates) and all(g.passed is True for g in self.gates)
+
+    @property
+    def failed(self) -> list[str]:
+        """Names of failed gates."""
+        return [g.name for g in self.gates if g.passed is False]
+
+    @property
+    def not_measured(self) -> list[str]:
+        """Names of gates that could not be measured."""
+        return [g.name for g in self.gates if g.passed is None]
+
+    @property
+    def exit_code(self) -> int:
+        """0 all passed, 1 any failed, 3 only not-measured gates remain."""
+        return 1 if self.failed else 3 if self.not_measured else 0
+
+    def gate(self, name: str) -> Gate:
+        """The gate called ``name`` (``KeyError`` if it was not evaluated)."""
+        for g in self.gates:
+            if g.name == name:
+                return g
+        raise KeyError(name)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        return {"run_dir": self.run_dir, "all_passed": self.all_passed, "failed": self.failed,
+                "not_measured": self.not_measured, "gates": [g.to_dict() for g in self.gates]}
+
+
+@dataclass(frozen=True)
+class GateOptions:
+    """How much the re-executing gates sample (deterministic given ``seed``).
+
+    sample_episodes: episodes re-reset and replayed; fork_tasks: tasks given to ``check_env``;
+    fixture_task_ids: the verifier audit's fixture tasks (None: the full default set);
+    bootstrap: resamples for the shuffled-control interval.
+    """
+
+    sample_episodes: int = 6
+    fork_tasks: int = 2
+    fixture_task_ids: tuple[str, ...] | None = None
+    bootstrap: int = 2000
+    seed: int = 0
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+GateFn = Callable[[RunDir, GateOptions], Gate]
+
+
+def make_gate(name: str, problems: Sequence[str], evidence: Mapping[str, Any], ok_detail: str,
+              measured: bool = True, why_not: str = "") -> Gate:
+    """Build a verdict: fail when ``problems``, else pass (or not measured)."""
+    if problems:
+        return Gate(name, False, evidence, "; ".join(problems[:MAX_LISTED]))
+    if not measured:
+        return Gate(name, None, evidence, why_not)
+    return Gate(name, True, evidence, ok_detail)
+
+

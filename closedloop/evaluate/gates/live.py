@@ -1,0 +1,359 @@
+"""Gates that re-execute: environment resets, restore+replay, fork isolation and sealing, the
+objective on toy batches, the verifier on adjudicated fixtures, and the shuffled-reward arm.
+
+Preregistered verifier bounds (seed 000 §7, "the verifier passes preregistered FP/FN gates with
+denominators and confidence intervals"): the upper end of the Wilson 95% interval of the FP rate
+must be at most :data:`FP_UPPER_BOUND` and of the FN rate at most :data:`FN_UPPER_BOUND`, every
+tamper fixture must be quarantined, and the audit must cover every verifier version that scored
+the run. A false positive reinforces a wrong artifact, so its bound is the tighter one. With the
+default fixture set (56 negatives, 32 positives) zero errors give upper bounds 0.064 and 0.107.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from closedloop.contracts import Action, Episode
+from closedloop.envs.check import check_env, check_reset, replay_property
+from closedloop.envs.errors import EnvCheckError, EnvError, EpisodeDoneError, SealedSnapshotError
+from closedloop.evaluate.gates.base import MAX_LISTED, Gate, GateOptions, make_gate
+from closedloop.evaluate.rundir import RunDir, eval_summary, experiment_of, find_arms, load_run
+from closedloop.evaluate.stats import paired_bootstrap_ci
+from closedloop.learn import objectives
+from closedloop.rollout.replay import replay_episode
+from closedloop.runtime import make_env
+from closedloop.verify.audit import audit_verifier
+from closedloop.verify.fixtures import build_fixtures
+from closedloop.verify.verifier import Verifier
+
+FP_UPPER_BOUND = 0.10
+FN_UPPER_BOUND = 0.15
+F64 = torch.float64
+
+
+def _episodes(run: RunDir) -> list[tuple[str, Episode]]:
+    return [(t.name, ep) for t in run.traces.values() for ep in t.episodes]
+
+
+def _sample(run: RunDir, n: int, seed: int) -> list[tuple[str, Episode]]:
+    """Up to ``n`` episodes, at least one per trace kind present (deterministic)."""
+    rng = random.Random(seed)
+    by_kind: dict[str, list[tuple[str, Episode]]] = {}
+    for t in run.traces.values():
+        by_kind.setdefault(t.kind, []).extend((t.name, ep) for ep in t.episodes if ep.turns)
+    chosen = [rng.choice(eps) for _, eps in sorted(by_kind.items()) if eps][:n]
+    rest = [e for eps in by_kind.values() for e in eps if e not in chosen]
+    chosen += rng.sample(rest, min(len(rest), n - len(chosen)))
+    return chosen
+
+
+# --------------------------------------------------------------------------- environment
+def gate_reset_state_hash(run: RunDir, opts: GateOptions) -> Gate:
+    """Resetting each recorded (task, seed) reproduces its base snapshot id and state hash.
+
+    Every distinct (task, seed) of every trace is reset once in a fresh environment (plus a
+    second fresh reset and a reset after a step for ``check_reset``); each episode's base
+    snapshot id and first ``state_before`` must equal the reset's.
+    """
+    cache: dict[tuple[str, int], tuple[str, str] | str] = {}
+    checked = mismatched = 0
+    examples: list[str] = []
+    for name, ep in _episodes(run):
+        traj = ep.trajectory
+        key = (traj.task_id, traj.seed)
+        if key not in cache:
+            cache[key] = _reset_once(*key)
+        got = cache[key]
+        checked += 1
+        want_state = ep.turns[0].state_before if ep.turns else None
+        if isinstance(got, str) or got[0] != traj.base_snapshot_id or (
+                want_state is not None and got[1] != want_state):
+            mismatched += 1
+            examples.append(f"{name}: {traj.episode_id} "
+                            f"({got if isinstance(got, str) else 'hash differs'})")
+    evidence = {"episodes": checked, "distinct_task_seed": len(cache), "mismatched": mismatched,
+                "examples": examples[:MAX_LISTED]}
+    problems = [f"{mismatched}/{checked} episodes: reset does not reproduce the recorded "
+                f"base state ({examples[0]})"] if mismatched else []
+    return make_gate("reset_state_hash", problems, evidence,
+                     f"{checked} episodes over {len(cache)} (task, seed) resets reproduce",
+                     measured=checked > 0, why_not="no episodes")
+
+
+def _reset_once(task_id: str, seed: int) -> tuple[str, str] | str:
+    try:
+        env = make_env()
+        env.reset(task_id, seed)
+        ref = env.snapshot("base")
+        check_reset(make_env, task_id, seed)
+        return ref.snapshot_id, env.state_hash()
+    except (EnvError, EnvCheckError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def gate_restore_replay(run: RunDir, opts: GateOptions) -> Gate:
+    """Replaying recorded actions reproduces observations, state hashes and reward; restoring a
+    mid-episode snapshot (in place and in a fork) and replaying the suffix reproduces it too."""
+    sample = _sample(run, opts.sample_episodes, opts.seed)
+    verifier = Verifier()
+    replayed = reproduced = suffix_checked = suffix_ok = 0
+    examples: list[str] = []
+    for name, ep in sample:
+        result = replay_episode(ep, make_env(), verifier)
+        replayed += 1
+        reproduced += result.ok
+        if not result.ok:
+            examples.append(f"{name}: {ep.trajectory.episode_id}: {'; '.join(result.mismatches)}")
+        actions = [t.action_text for t in ep.turns if t.generation_finish != "length"
+                   and t.observation_error != "infra_abort"]
+        if len(actions) >= 2:
+            suffix_checked += 1
+            try:
+                replay_property(make_env, ep.trajectory.task_id, ep.trajectory.seed, actions)
+                suffix_ok += 1
+            except (EnvCheckError, EnvError) as exc:
+                examples.append(f"{name}: {ep.trajectory.episode_id}: {exc}")
+    evidence = {"episodes_replayed": replayed, "reproduced": reproduced,
+                "suffix_replays": suffix_checked, "suffix_reproduced": suffix_ok,
+                "examples": examples[:MAX_LISTED]}
+    problems = []
+    if reproduced < replayed:
+        problems.append(f"{replayed - reproduced}/{replayed} recorded episodes do not replay")
+    if suffix_ok < suffix_checked:
+        problems.append(f"{suffix_checked - suffix_ok}/{suffix_checked} restore+suffix replays "
+                        "differ")
+    problems += examples[:1] if problems else []
+    return make_gate("restore_replay", problems, evidence,
+                     f"{reproduced}/{replayed} episodes replay exactly; {suffix_ok}/"
+                     f"{suffix_checked} restore+suffix replays equal",
+                     measured=replayed > 0, why_not="no episodes")
+
+
+def _seal_problems(task_id: str, seed: int) -> list[str]:
+    """End an episode; its sealed terminal snapshot must be immutable and never restorable."""
+    env = make_env()
+    env.reset(task_id, seed)
+    env.step(Action.tool("list_dir"))
+    env.step(Action.finish())
+    ref = env.sealed_terminal()
+    first = env.export_sealed(ref)
+    problems = []
+    for what, attempt in (("restore", lambda: env.restore(ref)),
+                          ("fork", lambda: env.fork(ref, "agent")),
+                          ("step", lambda: env.step(Action.tool("list_dir")))):
+        try:
+            attempt()
+            problems.append(f"{task_id}: {what} of a sealed terminal state succeeded")
+        except (SealedSnapshotError, EpisodeDoneError):
+            pass
+    if env.export_sealed(ref) != first:
+        problems.append(f"{task_id}: sealed bytes changed")
+    return problems
+
+
+def gate_fork_isolation(run: RunDir, opts: GateOptions) -> Gate:
+    """``check_env`` (reset/step determinism, replay, fork isolation) on tasks of the run, and
+    sealed terminal snapshots that cannot be restored, forked or stepped."""
+    tasks = sorted({ep.trajectory.task_id for _, ep in _episodes(run)})
+    seeds = sorted({ep.trajectory.seed for _, ep in _episodes(run)})
+    if not tasks:
+        return Gate("fork_isolation_and_seal", None, {}, "no episodes to take tasks from")
+    chosen = random.Random(opts.seed).sample(tasks, min(opts.fork_tasks, len(tasks)))
+    problems: list[str] = []
+    report: dict[str, Any] = {}
+    try:
+        r = check_env(make_env, chosen, seeds[:1], n_random_sequences=1, sequence_length=6,
+                      rng_seed=opts.seed)
+        report = dict(r.__dict__)
+    except (EnvCheckError, EnvError) as exc:
+        problems.append(f"check_env: {type(exc).__name__}: {exc}")
+    for task in chosen:
+        problems += _seal_problems(task, seeds[0])
+    evidence = {"tasks": chosen, "seed": seeds[0], **report, "seal_checks": len(chosen)}
+    return make_gate("fork_isolation_and_seal", problems, evidence,
+                     f"{report.get('fork_checks', 0)} fork checks and {len(chosen)} seal checks "
+                     "hold")
+
+
+# --------------------------------------------------------------------------- objective
+def _toy_batch(seed: int = 0) -> dict[str, torch.Tensor]:
+    """A fixed 4-episode batch: gaps in the mask, lengths 5, 7, 1 and 4 action tokens."""
+    mask = torch.tensor([[0, 1, 1, 0, 0, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 0],
+                         [0, 0, 0, 0, 1, 0, 0, 0], [1, 0, 1, 0, 1, 0, 1, 0]])
+    g = torch.Generator().manual_seed(seed)
+    b, t = mask.shape
+    return {"mask": mask, "features": torch.randn(b, t, 5, generator=g, dtype=F64),
+            "weight": torch.randn(7, 5, generator=g, dtype=F64),
+            "tokens": torch.randint(0, 7, (b, t), generator=g),
+            "adv": torch.randn(b, generator=g, dtype=F64)}
+
+
+def _grad(batch: dict[str, torch.Tensor], loss_fn: Callable[[torch.Tensor], torch.Tensor]
+          ) -> torch.Tensor:
+    w = batch["weight"].clone().requires_grad_(True)
+    logp = torch.log_softmax(batch["features"] @ w.T, -1)
+    logp = logp.gather(-1, batch["tokens"][..., None]).squeeze(-1)
+    (grad,) = torch.autograd.grad(loss_fn(logp), [w])
+    return grad
+
+
+def gate_episode_sum(run: RunDir, opts: GateOptions) -> Gate:
+    """``reinforce_with_kl`` with ``episode_sum`` has the score-function gradient
+    -(1/B) Σ_i A_i Σ_{t∈M_i} ∇log π(a_it) on a toy batch (autograd, float64), and the check has
+    power: a mask shifted by one position changes the gradient."""
+    batch = _toy_batch(opts.seed)
+    mask, adv, b = batch["mask"], batch["adv"], batch["mask"].shape[0]
+
+    def objective(m: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        def loss(logp: torch.Tensor) -> torch.Tensor:
+            out = objectives.reinforce_with_kl(
+                new_logprobs_B_T=logp, behavior_logprobs_B_T=logp.detach(), advantages_B=adv,
+                mask_B_T=m, reducer="episode_sum")
+            return out.loss
+        return loss
+
+    got = _grad(batch, objective(mask))
+    want = _grad(batch, lambda lp: -(adv * (lp * mask).sum(1)).sum() / b)
+    shifted = torch.roll(mask, 1, dims=1)
+    shifted[:, 0] = 0
+    power = float((_grad(batch, objective(shifted)) - want).abs().max())
+    err = float((got - want).abs().max())
+    reducer = (run.trainer or {}).get("reducer")
+    evidence = {"max_abs_grad_diff": err, "grad_scale": float(want.abs().max()),
+                "shifted_mask_diff": power, "run_reducer": reducer,
+                "run_uses_score_function": reducer == "episode_sum"}
+    problems = [f"episode_sum gradient differs from the score function by {err:.3g}"
+                ] if err > 1e-9 else []
+    if power < 1e-3:
+        problems.append("a shifted mask leaves the gradient unchanged: the check has no power")
+    label = ("the run trains on it" if reducer == "episode_sum"
+             else f"the run's reducer {reducer!r} is a different, labeled surrogate")
+    return make_gate("episode_sum_score_function", problems, evidence,
+                     f"episode_sum = score function (|Δ| {err:.1e}); {label}")
+
+
+def _toy_step(objective: str, advantage: float) -> float:
+    """Change of the sampled action's log-prob after one SGD step on one softmax."""
+    logits = torch.tensor([0.3, -0.2, 0.1, 0.5, -0.4], dtype=F64, requires_grad=True)
+    before = float(torch.log_softmax(logits.detach(), -1)[2])
+    logp = torch.log_softmax(logits, -1)[2].reshape(1, 1)
+    kwargs: dict[str, Any] = dict(new_logprobs_B_T=logp, behavior_logprobs_B_T=logp.detach(),
+                                  advantages_B=torch.tensor([advantage], dtype=F64),
+                                  mask_B_T=torch.ones(1, 1),
+                                  turn_ids_B_T=torch.zeros(1, 1, dtype=torch.long))
+    fn = getattr(objectives, objective)
+    fn(**kwargs).loss.backward()
+    if logits.grad is None:
+        raise RuntimeError(f"{objective}: the loss has no gradient with respect to the logits")
+    with torch.no_grad():
+        after = float(torch.log_softmax(logits - 0.5 * logits.grad, -1)[2])
+    return after - before
+
+
+def gate_toy_logit_sign(run: RunDir, opts: GateOptions) -> Gate:
+    """One SGD step of the run's objective moves a sampled action's log-prob with the sign of
+    its advantage (A = +1 and A = -1), and on a shared-parameter toy batch one small step
+    raises the aggregate surrogate Σ_i A_i Σ_t log π with a bounded KL to the old policy."""
+    objective = str((run.trainer or {}).get("objective", "reinforce_with_kl"))
+    if objective not in ("reinforce_with_kl", "ppo_clip"):
+        return Gate("toy_logit_sign", False, {"objective": objective},
+                    f"unknown objective {objective!r}")
+    moves = {a: _toy_step(objective, a) for a in (1.0, -1.0)}
+    batch = _toy_batch(opts.seed + 1)
+    mask, adv = batch["mask"], batch["adv"]
+
+    def surrogate(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logp_all = torch.log_softmax(batch["features"] @ w.T, -1)
+        lp = logp_all.gather(-1, batch["tokens"][..., None]).squeeze(-1)
+        return (adv * (lp * mask).sum(1)).sum(), logp_all
+
+    before, old = surrogate(batch["weight"])
+    grad = _grad(batch, lambda lp: getattr(objectives, objective)(
+        new_logprobs_B_T=lp, behavior_logprobs_B_T=lp.detach(), advantages_B=adv,
+        mask_B_T=mask).loss)
+    after, new = surrogate(batch["weight"] - 0.05 * grad)
+    kl = float((new.exp() * (new - old)).sum(-1)[mask > 0].mean())
+    evidence = {"objective": objective, "dlogp_positive_advantage": moves[1.0],
+                "dlogp_negative_advantage": moves[-1.0],
+                "batch_surrogate_gain": float(after - before), "batch_kl": kl}
+    problems = [f"A={a:+.0f}: the sampled log-prob moved by {d:+.3g}"
+                for a, d in moves.items() if d * a <= 0]
+    if not float(after - before) > 0:
+        problems.append("one small step did not raise the batch surrogate")
+    if not 0 <= kl < 0.05:
+        problems.append(f"KL after one small step {kl:.3g} not bounded by 0.05")
+    return make_gate("toy_logit_sign", problems, evidence,
+                     f"{objective}: sign correct for A=±1; batch surrogate +"
+                     f"{float(after - before):.3g}, KL {kl:.2g}")
+
+
+# --------------------------------------------------------------------------- verifier
+def gate_verifier_fp_fn(run: RunDir, opts: GateOptions) -> Gate:
+    """FP/FN of the verifier on adjudicated fixtures within the preregistered bounds."""
+    audit = audit_verifier(build_fixtures(opts.fixture_task_ids), Verifier())
+    used = sorted({str(r.get("verifier_version")) for t in run.traces.values()
+                   for r in t.raw("trajectory") if r.get("verifier_version") is not None})
+    evidence = {**audit.to_dict(), "fp_upper_bound": FP_UPPER_BOUND,
+                "fn_upper_bound": FN_UPPER_BOUND, "run_verifier_versions": used}
+    evidence.pop("by_family")
+    evidence["by_family"] = {k: v.__dict__ for k, v in audit.by_family.items()}
+    problems = []
+    if audit.fp_ci is None or audit.fn_ci is None:
+        problems.append(f"no denominator: {audit.n_negative} negatives, {audit.n_positive} "
+                        "positives")
+    else:
+        if audit.fp_ci[1] > FP_UPPER_BOUND:
+            problems.append(f"FP {audit.fp}/{audit.n_negative}: upper CI {audit.fp_ci[1]:.3f}"
+                            f" > {FP_UPPER_BOUND}")
+        if audit.fn_ci[1] > FN_UPPER_BOUND:
+            problems.append(f"FN {audit.fn}/{audit.n_positive}: upper CI {audit.fn_ci[1]:.3f}"
+                            f" > {FN_UPPER_BOUND}")
+    if audit.tamper_missed:
+        problems.append(f"{audit.tamper_missed}/{audit.n_tamper} tamper fixtures not quarantined")
+    other = [v for v in used if v != audit.verifier_version]
+    if other:
+        problems.append(f"the audit ({audit.verifier_version}) does not cover {other}")
+    return make_gate("verifier_fp_fn", problems, evidence, audit.summary())
+
+
+# --------------------------------------------------------------------------- controls
+def _arm_success(path: Any, label: str) -> dict[str, float] | None:
+    summary = eval_summary(load_run(path), label)
+    return None if summary is None else summary.per_task_success()
+
+
+def gate_shuffled_control(run: RunDir, opts: GateOptions) -> Gate:
+    """The shuffled-reward arm shows no stable held-out gain: the paired bootstrap interval of
+    (shuffled final - baseline) by task must not lie above 0. Baseline: the frozen arm's final
+    evaluation, else the shuffled arm's own start evaluation."""
+    exp = experiment_of(run.path)
+    arms = find_arms(exp) if exp is not None else {}
+    shuffled = next((p for n, p in sorted(arms.items()) if "shuffl" in n.lower()), None)
+    if shuffled is None:
+        return Gate("shuffled_reward_control", None, {"arms": sorted(arms)},
+                    "not measured: no experiment with a shuffled-reward arm")
+    frozen = next((p for n, p in sorted(arms.items()) if "frozen" in n.lower()), None)
+    treated = _arm_success(shuffled, "final")
+    base = _arm_success(frozen, "final") if frozen is not None else _arm_success(shuffled,
+                                                                                  "start")
+    if treated is None or base is None:
+        return Gate("shuffled_reward_control", None, {"arms": sorted(arms)},
+                    "not measured: the shuffled arm or its baseline has no scored evaluation")
+    common = sorted(set(treated) & set(base))
+    if len(common) < 2:
+        return Gate("shuffled_reward_control", None, {"tasks": len(common)},
+                    "not measured: fewer than 2 tasks scored in both arms")
+    ci = paired_bootstrap_ci({k: treated[k] for k in common}, {k: base[k] for k in common},
+                             n_boot=opts.bootstrap, seed=opts.seed)
+    evidence = {"baseline": "frozen final" if frozen is not None else "shuffled start",
+                "tasks": len(common), "estimate": ci.estimate, "ci": [ci.lo, ci.hi],
+                "experiment": str(exp)}
+    problems = [f"shuffled rewards gained {ci.estimate:+.3f} [{ci.lo:+.3f}, {ci.hi:+.3f}] over "
+                f"{len(common)} tasks"] if ci.lo > 0 else []
+    return make_gate("shuffled_reward_control", problems, evidence,
+                     f"shuffled - baseline {ci.estimate:+.3f} [{ci.lo:+.3f}, {ci.hi:+.3f}], "
+                     f"{len(common)} tasks: no stable gain")

@@ -1,0 +1,390 @@
+"""The core report (seed 000 §7): ``report.json`` and a self-contained ``report.html``.
+
+``build_report(run_dir)`` recomputes everything from the run directory (traces first, then the
+ledger, metrics and the gates); ``write_report`` writes the JSON and an HTML page whose PNG plots
+are embedded as ``data:`` URIs, so the page is one file.
+
+The capability claim (``report["claim"]``) follows one rule: a gain is stated only when every
+gate passed *and* the paired bootstrap interval of per-task held-out success (the RL arm's
+final evaluation minus the frozen arm's in an experiment, else the run's final minus its start)
+lies above 0. Otherwise the report names the failed and unmeasured gates, or says that the
+interval includes 0, and states that no gain is claimed. Numbers without a denominator are
+``None`` (not measured), never 0.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import math
+from collections import Counter
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from closedloop.evaluate.gates import GateOptions, GateReport, evaluate_gates, main_run_of
+from closedloop.evaluate.heldout import EvalSummary
+from closedloop.evaluate.plots import (
+    plot_grad_mass,
+    plot_learning_curves,
+    plot_success,
+    plot_termination,
+    plot_training,
+)
+from closedloop.evaluate.rundir import RunDir, eval_summary, experiment_of, find_arms, load_run
+from closedloop.evaluate.stats import paired_bootstrap_ci
+
+__all__ = ["REPORT_SCHEMA", "build_report", "capability_claim", "render_html", "write_report"]
+
+REPORT_SCHEMA = "closedloop-report-v1"
+_HELDOUT_KEYS = ("policy_version", "manifest_hash", "k", "pass_at_1", "pass_at_1_ci",
+                 "pass_at_k", "pass_hat_k", "invalid_action_rate", "mean_tool_calls",
+                 "mean_action_tokens", "mean_latency_s", "side_effect_rate", "termination",
+                 "episodes")
+
+
+def _heldout(summary: EvalSummary | None) -> dict[str, Any] | None:
+    if summary is None:
+        return None
+    out = {k: getattr(summary, k) for k in _HELDOUT_KEYS}
+    out["tasks"] = len(summary.tasks)
+    out["tasks_scored"] = sum(1 for t in summary.tasks if t.n > 0)
+    out["per_task_success"] = summary.per_task_success()
+    return out
+
+
+def _paired(a: EvalSummary | None, b: EvalSummary | None, seed: int,
+            what: str) -> dict[str, Any]:
+    """Paired bootstrap CI of per-task success a - b over the tasks scored in both."""
+    if a is None or b is None:
+        return {"what": what, "measured": False, "detail": "an evaluation is missing"}
+    sa, sb = a.per_task_success(), b.per_task_success()
+    common = sorted(set(sa) & set(sb))
+    if len(common) < 2:
+        return {"what": what, "measured": False, "tasks": len(common),
+                "detail": f"{len(common)} tasks scored in both evaluations (need 2)"}
+    ci = paired_bootstrap_ci({k: sa[k] for k in common}, {k: sb[k] for k in common}, seed=seed)
+    return {"what": what, "measured": True, "tasks": len(common), "estimate": ci.estimate,
+            "ci": [ci.lo, ci.hi], "n_boot": ci.n_boot, "alpha": ci.alpha}
+
+
+def _arms(run: RunDir, seed: int) -> dict[str, Any]:
+    exp = experiment_of(run.path)
+    if exp is None:
+        return {}
+    arms = {name: load_run(path) for name, path in find_arms(exp).items()}
+    finals = {name: eval_summary(arm, "final") for name, arm in arms.items()}
+    frozen = next((n for n in sorted(arms) if "frozen" in n.lower()), None)
+    out: dict[str, Any] = {}
+    for name, arm in sorted(arms.items()):
+        row: dict[str, Any] = {"path": str(arm.path),
+                               "start": _heldout(eval_summary(arm, "start")),
+                               "final": _heldout(finals[name])}
+        if frozen is not None and name != frozen:
+            row["vs_frozen"] = _paired(finals[name], finals[frozen], seed,
+                                       f"{name} final - {frozen} final")
+        out[name] = row
+    return out
+
+
+def capability_claim(gates: GateReport, comparison: Mapping[str, Any]) -> dict[str, Any]:
+    """State a gain only if all gates passed and the paired CI lies above 0 (see module doc)."""
+    base = {"comparison": comparison.get("what"), "all_gates_passed": gates.all_passed,
+            "failed_gates": gates.failed, "not_measured_gates": gates.not_measured}
+    if not gates.all_passed:
+        parts = []
+        if gates.failed:
+            parts.append(f"gates failed: {', '.join(gates.failed)}")
+        if gates.not_measured:
+            parts.append(f"gates not measured: {', '.join(gates.not_measured)}")
+        return {**base, "gain": None, "statement": "Capability gain not measured: "
+                + "; ".join(parts) + ". No gain is claimed."}
+    if not comparison.get("measured"):
+        return {**base, "gain": None, "statement": "Capability gain not measured: "
+                f"{comparison.get('detail')}. No gain is claimed."}
+    est, (lo, hi) = comparison["estimate"], comparison["ci"]
+    span = f"{est:+.3f} [95% CI {lo:+.3f}, {hi:+.3f}] over {comparison['tasks']} tasks"
+    if lo > 0:
+        return {**base, "gain": True, "statement": f"Capability gain: held-out success "
+                f"{comparison['what']} = {span}; every gate passed."}
+    verdict = "decreased" if hi < 0 else "shows no gain (the interval includes 0)"
+    return {**base, "gain": False, "statement": f"Held-out success {verdict}: "
+            f"{comparison['what']} = {span}. No gain is claimed."}
+
+
+def _steps(run: RunDir) -> list[dict[str, Any]]:
+    """Per RL step: outcomes from the step trace, optimizer metrics from metrics.jsonl."""
+    logged = {int(m.get("step", -1)): m for m in run.metrics_of("rl_step")}
+    rows = []
+    for trace in run.traces_of("step"):
+        m = logged.get(trace.step if trace.step is not None else -1, {})
+        met = m.get("metrics") or {}
+        scores = [ep.trajectory.task_success for ep in trace.episodes
+                  if ep.trajectory.task_success is not None]
+        rows.append({
+            "step": trace.step, "groups": m.get("groups"), "admitted": m.get("admitted"),
+            "zero_variance": m.get("zero_variance"),
+            "train_success": sum(scores) / len(scores) if scores else None,
+            "scored_episodes": len(scores), "episodes": len(trace.episodes),
+            "interactions": sum(len(ep.turns) for ep in trace.episodes),
+            "action_tokens": sum(ep.trajectory.num_action_tokens for ep in trace.episodes),
+            "wall_s": sum(float(v) for v in (m.get("seconds") or {}).values()) or None,
+            **{k: met.get(k) for k in _STEP_METRICS}})
+    return rows
+
+
+_STEP_METRICS = ("losses/kl", "losses/kl_token_mean", "losses/entropy", "losses/pg_loss",
+                 "optim/grad_norm", "ratio/ratio_p50", "ratio/ratio_p95", "ratio/ratio_p99",
+                 "ratio/ratio_max", "clip/clip_frac_token", "grad_mass/grad_mass_total",
+                 "grad_mass/grad_mass_short", "grad_mass/grad_mass_medium",
+                 "grad_mass/grad_mass_long", "grad_mass/grad_mass_success",
+                 "grad_mass/grad_mass_failure")
+
+
+def _cumulative(values: list[Any]) -> list[float | None]:
+    total = 0.0
+    out: list[float | None] = []
+    for v in values:
+        if v is None:
+            out.append(None)
+            continue
+        total += float(v)
+        out.append(total)
+    return out
+
+
+def _training(run: RunDir) -> dict[str, Any]:
+    steps = _steps(run)
+    zero = sum(s["zero_variance"] or 0 for s in steps)
+    admitted = sum(s["admitted"] or 0 for s in steps)
+    mass: dict[str, float | None] = {}
+    for band in ("short", "medium", "long", "success", "failure"):
+        pairs = [(s["grad_mass/grad_mass_total"], s[f"grad_mass/grad_mass_{band}"])
+                 for s in steps if s[f"grad_mass/grad_mass_{band}"] is not None
+                 and s["grad_mass/grad_mass_total"]]
+        weight = sum(t for t, _ in pairs)
+        mass[band] = sum(t * v for t, v in pairs) / weight if weight else None
+    return {
+        "steps": steps,
+        "zero_advantage_groups": {"zero_variance": zero, "admitted_groups": admitted,
+                                  "rate": zero / admitted if admitted else None},
+        "gradient_mass_share": mass,
+        "learning_curves": {
+            "train_success": [s["train_success"] for s in steps],
+            "interactions": _cumulative([s["interactions"] for s in steps]),
+            "action_tokens": _cumulative([s["action_tokens"] for s in steps]),
+            "wall_s": _cumulative([s["wall_s"] for s in steps])}}
+
+
+def _termination(run: RunDir) -> dict[str, dict[str, int]]:
+    phases = {"train": run.traces_of("step"), "demonstrations": run.traces_of("demo")}
+    phases.update({f"eval {t.label}": [t] for t in run.traces_of("eval")})
+    return {phase: dict(sorted(Counter(str(r.get("termination")) for t in files
+                                       for r in t.raw("trajectory")).items()))
+            for phase, files in phases.items() if files}
+
+
+def _ledger(run: RunDir) -> dict[str, Any] | None:
+    if not run.has_ledger:
+        return None
+    with run.ledger() as ledger:
+        c = ledger.counts()
+    data = {k: v for k, v in c.__dict__.items() if k != "reasons"}
+    data["reasons"] = dict(c.reasons)
+    dropped = c.discarded + c.quarantined
+    data["rejection_fraction"] = dropped / c.total if dropped and c.total else None
+    return data
+
+
+def _verifier(gates: GateReport) -> dict[str, Any] | None:
+    try:
+        gate = gates.gate("verifier_fp_fn")
+    except KeyError:
+        return None
+    keys = ("fp", "n_negative", "fp_rate", "fp_ci", "fn", "n_positive", "fn_rate", "fn_ci",
+            "n_tamper", "tamper_missed", "false_quarantine", "verifier_version",
+            "fp_upper_bound", "fn_upper_bound", "run_verifier_versions", "by_family")
+    return {**{k: gate.evidence.get(k) for k in keys}, "status": gate.status}
+
+
+def build_report(run_dir: str | Path, gates: GateReport | None = None,
+                 options: GateOptions | None = None) -> dict[str, Any]:
+    """The report's data (JSON values only); ``gates`` are evaluated unless given."""
+    run = load_run(main_run_of(run_dir))
+    gates = gates if gates is not None else evaluate_gates(run_dir, options)
+    seed = int(run.section("training").get("seed", 0))
+    start, final = eval_summary(run, "start"), eval_summary(run, "final")
+    arms = _arms(run, seed)
+    frozen = next((a for n, a in sorted(arms.items()) if "frozen" in n.lower()), None)
+    comparison = _paired(final, start, seed, "final - start")
+    if frozen is not None and frozen.get("final") is not None:
+        frozen_summary = eval_summary(load_run(frozen["path"]), "final")
+        comparison = _paired(final, frozen_summary, seed, "RL final - frozen final")
+    report = {
+        "schema": REPORT_SCHEMA,
+        "run": {"path": str(run.path), "model": run.config.get("model"), **run.config_meta},
+        "claim": capability_claim(gates, comparison),
+        "gates": gates.to_dict(),
+        "heldout": {"start": _heldout(start), "final": _heldout(final),
+                    "final_minus_start": _paired(final, start, seed, "final - start")},
+        "arms": arms,
+        "retain_suites": {"measured": False,
+                          "detail": "no retain-suite evaluation in the run directory"},
+        "verifier": _verifier(gates),
+        "termination": _termination(run),
+        "training": _training(run),
+        "ledger": _ledger(run),
+    }
+    return _finite(report)
+
+
+def _finite(obj: Any) -> Any:
+    """Replace non-finite floats by None and tuples by lists (strict JSON)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, Mapping):
+        return {str(k): _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def write_report(run_dir: str | Path, gates: GateReport | None = None,
+                 options: GateOptions | None = None,
+                 out_dir: str | Path | None = None) -> tuple[Path, Path]:
+    """Write ``report.json`` and ``report.html`` (into ``out_dir``, default the run or
+    experiment directory) and return their paths (html, json)."""
+    report = build_report(run_dir, gates, options)
+    out = Path(out_dir) if out_dir is not None else Path(run_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    json_path, html_path = out / "report.json", out / "report.html"
+    json_path.write_text(json.dumps(report, indent=2, sort_keys=True, allow_nan=False) + "\n",
+                         encoding="utf-8")
+    html_path.write_text(render_html(report), encoding="utf-8")
+    return html_path, json_path
+
+
+# --------------------------------------------------------------------------- HTML
+_CSS = """body{font-family:sans-serif;margin:24px;max-width:1150px;color:#222}
+table{border-collapse:collapse;margin:8px 0 16px}td,th{border:1px solid #ccc;padding:3px 7px;
+font-size:13px;text-align:left;vertical-align:top}th{background:#f3f3f3}.PASS{color:#1a7f37}
+.FAIL{color:#c62828;font-weight:bold}.NOT{color:#a66b00}.NA{color:#777}
+.claim{padding:10px 14px;border-left:6px solid #888;background:#f7f7f7;font-size:15px}
+.gain{border-color:#1a7f37}img{max-width:100%;border:1px solid #eee}"""
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "not measured"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, list | tuple) and len(v) == 2 and all(isinstance(x, float) for x in v):
+        return f"[{v[0]:.3f}, {v[1]:.3f}]"
+    return html.escape(str(v))
+
+
+def _table(headers: list[str], rows: list[list[Any]], table_id: str = "") -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(f"<td>{c if isinstance(c, _Raw) else _fmt(c)}</td>"
+                                    for c in row) + "</tr>" for row in rows)
+    ident = f' id="{table_id}"' if table_id else ""
+    return f"<table{ident}><tr>{head}</tr>{body}</table>"
+
+
+class _Raw(str):
+    """Already-escaped HTML for a table cell."""
+
+
+def _img(png: bytes, alt: str) -> str:
+    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,' \
+           f'{base64.b64encode(png).decode()}">'
+
+
+def _gates_html(gates: Mapping[str, Any]) -> str:
+    rows = [[g["name"], _Raw(f'<span class="{g["status"].split()[0].replace("/", "")}">'
+                             f'{html.escape(g["status"])}</span>'), g["detail"]]
+            for g in gates["gates"]]
+    return _table(["gate", "status", "detail"], rows, "gates-table")
+
+
+def _heldout_html(report: Mapping[str, Any]) -> str:
+    cols = [("start", report["heldout"]["start"]), ("final", report["heldout"]["final"])]
+    cols += [(f"{n} final", a["final"]) for n, a in report["arms"].items()]
+    keys = ("pass_at_1", "pass_at_1_ci", "pass_hat_k", "pass_at_k", "k", "invalid_action_rate",
+            "mean_tool_calls", "mean_action_tokens", "mean_latency_s", "side_effect_rate",
+            "tasks_scored", "episodes", "policy_version")
+    rows = [[k, *[(c or {}).get(k) for _, c in cols]] for k in keys]
+    paired = [report["heldout"]["final_minus_start"]]
+    paired += [a["vs_frozen"] for a in report["arms"].values() if "vs_frozen" in a]
+    prow = [[p["what"], p.get("estimate"), p.get("ci"), p.get("tasks"),
+             p.get("detail", "")] for p in paired]
+    bars = [(name, (c or {}).get("pass_at_1"), *((c or {}).get("pass_at_1_ci")
+                                                   or [None, None])) for name, c in cols]
+    return (_table(["metric", *[n for n, _ in cols]], rows, "heldout-table")
+            + _table(["paired difference (by task)", "estimate", "95% CI", "tasks", "note"],
+                     prow) + _img(plot_success(bars), "held-out success"))
+
+
+def _training_html(report: Mapping[str, Any]) -> str:
+    tr = report["training"]
+    steps = tr["steps"]
+    z = tr["zero_advantage_groups"]
+    series = {k: [s[k] for s in steps] for k in ("losses/kl", "optim/grad_norm",
+                                                 "losses/entropy", "ratio/ratio_p95",
+                                                 "ratio/ratio_max", "train_success")}
+    rows = [[s["step"], s["groups"], s["admitted"], s["zero_variance"], s["train_success"],
+             s["losses/kl"], s["optim/grad_norm"], s["losses/entropy"], s["ratio/ratio_p50"],
+             s["ratio/ratio_p99"], s["ratio/ratio_max"]] for s in steps]
+    return (f"<p>Zero-advantage groups: {z['zero_variance']} of {z['admitted_groups']} "
+            f"admitted groups (rate {_fmt(z['rate'])}).</p>"
+            + _table(["step", "groups", "admitted", "zero-var", "train success", "KL",
+                      "grad norm", "entropy", "ratio p50", "ratio p99", "ratio max"], rows)
+            + _img(plot_training([s["step"] for s in steps], series), "training diagnostics")
+            + "<h3>Gradient mass</h3>"
+            + _img(plot_grad_mass(tr["gradient_mass_share"]), "gradient mass")
+            + "<h3>Learning curves</h3>"
+            + _img(plot_learning_curves(tr["learning_curves"]), "learning curves"))
+
+
+def _verifier_html(v: Mapping[str, Any] | None) -> str:
+    if v is None:
+        return "<p>Verifier audit: not measured.</p>"
+    rows = [["false positives", v["fp"], v["n_negative"], v["fp_rate"], v["fp_ci"],
+             v["fp_upper_bound"]],
+            ["false negatives", v["fn"], v["n_positive"], v["fn_rate"], v["fn_ci"],
+             v["fn_upper_bound"]],
+            ["tamper not quarantined", v["tamper_missed"], v["n_tamper"], None, None, 0]]
+    return _table(["error", "count", "denominator", "rate", "Wilson 95% CI",
+                   "preregistered bound"], rows, "verifier-table") + \
+        f"<p>{_fmt(v['verifier_version'])}; gate {_fmt(v['status'])}.</p>"
+
+
+def render_html(report: Mapping[str, Any]) -> str:
+    """The self-contained HTML page of a report dict (plots embedded as data URIs)."""
+    claim = report["claim"]
+    term = report["termination"]
+    ledger = report["ledger"] or {}
+    rejection = (f"<p>Rejected groups: {ledger.get('discarded')} discarded, "
+                 f"{ledger.get('quarantined')} quarantined of {ledger.get('total', '?')} "
+                 f"(fraction {_fmt(ledger.get('rejection_fraction'))}); reasons "
+                 f"{_fmt(ledger.get('reasons'))}.</p>") if ledger.get(
+        "rejection_fraction") else ""
+    parts = [
+        f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>closedloop report"
+        f"</title><style>{_CSS}</style></head><body><h1>closedloop report</h1>",
+        f"<p>{_fmt(report['run'].get('path'))} — model {_fmt(report['run'].get('model'))}, "
+        f"config {_fmt(report['run'].get('config_hash'))}, git "
+        f"{_fmt(report['run'].get('git_revision'))}</p>",
+        f"<p class='claim{' gain' if claim['gain'] else ''}' id='claim'>"
+        f"{html.escape(claim['statement'])}</p>",
+        "<h2>Go/no-go gates</h2>", _gates_html(report["gates"]),
+        "<h2>Held-out evaluation</h2>", _heldout_html(report),
+        f"<p>Retain suites: {_fmt(report['retain_suites']['detail'])}.</p>",
+        "<h2>Verifier audit</h2>", _verifier_html(report["verifier"]),
+        "<h2>Termination distribution</h2>",
+        _table(["phase", "counts"], [[p, d] for p, d in term.items()]),
+        _img(plot_termination(term), "termination distribution"),
+        "<h2>Training</h2>", rejection, _training_html(report),
+        "</body></html>"]
+    return "\n".join(parts)

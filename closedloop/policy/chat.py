@@ -187,6 +187,12 @@ class ChatRenderer:
         """Return the content hash of the tool schemas (a list, order kept)."""
         return content_hash(self.tool_schemas)
 
+    def manifest_hashes(self) -> dict[str, str]:
+        """Return the renderer's ``PolicyManifest`` fields (system prompt, template, tools)."""
+        return {"system_prompt_hash": self.system_prompt_hash(),
+                "chat_template_hash": self.template_hash(),
+                "tool_schema_hash": self.tool_schema_hash()}
+
 
 def _special_id(tokenizer: Any, token: str) -> int:
     ids = tokenizer.encode(token, add_special_tokens=False)

@@ -41,7 +41,6 @@ from closedloop.policy.generator import (
     default_stop_token_ids,
 )
 from closedloop.policy.sampling import sample_step
-from closedloop.policy.weights import weights_checksum
 
 SessionId = int
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each [1, H, n, D]
@@ -107,9 +106,15 @@ class HFGenerator:
 
     @property
     def weight_checksum(self) -> str:
-        """The checksum of the sampling weights (computed once, or given)."""
+        """The checksum of the sampling weights (computed once, or given).
+
+        For a LoRA model it is the combined base + adapter checksum (``policy_weight_checksum``),
+        the manifest's ``weight_checksum``.
+        """
         if self._checksum is None:
-            self._checksum = weights_checksum(self.model)
+            from closedloop.policy.lora import policy_weight_checksum
+
+            self._checksum = policy_weight_checksum(self.model).combined
         return self._checksum
 
     def refresh_weights(self, weight_checksum: str | None = None) -> None:

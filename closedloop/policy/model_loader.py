@@ -98,13 +98,16 @@ def file_sha256(path: Path) -> str:
 def tokenizer_revision(tokenizer: Any) -> str:
     """Return the content hash of a tokenizer: its vocab, merges, normalizer and special tokens.
 
-    Computed from the canonical JSON of the fast tokenizer's serialization plus the special-token
-    map, so a tokenizer read from the GGUF and the same tokenizer re-read from the cache agree.
+    Computed from the canonical JSON of the fast tokenizer's serialization (without its runtime
+    ``padding``/``truncation`` settings, which calls with ``padding=True`` change) plus the
+    special-token map, so a tokenizer read from the GGUF and re-read from the cache agree.
     """
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         raise ModelLoadError("tokenizer_revision needs a fast (tokenizers-backed) tokenizer")
     spec = json.loads(backend.to_str())
+    spec.pop("padding", None)
+    spec.pop("truncation", None)
     specials = {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())}
     return content_hash({"tokenizer": spec, "special_tokens": specials})
 
@@ -139,6 +142,7 @@ def load_model(model: str | Path | None = None, dtype: str = "float32",
     if kind == "hf":
         lm, tok = _from_folder(path)
         source, model_id, read_from = "hf", path.name, path
+        checksum = weights_checksum(lm)
     else:
         sha = file_sha256(path)
         target = Path(cache_dir) if cache_dir is not None else default_cache_dir()
@@ -146,17 +150,20 @@ def load_model(model: str | Path | None = None, dtype: str = "float32",
         model_id = f"{path.name}@sha256:{sha[:16]}"
         if (target / CACHE_META).is_file():
             lm, tok = _from_folder(target)
+            checksum = _checked_cache_checksum(lm, target)
             source, read_from = "cache", target
         else:
             lm, tok = _from_gguf(path)
+            checksum = weights_checksum(lm)
             _write_cache(lm, tok, target, {"gguf_sha256": sha, "gguf_name": path.name,
-                                           "model_id": model_id})
+                                           "model_id": model_id, "weight_checksum": checksum})
             source, read_from = "gguf", path
-    lm = lm.to(DTYPES[dtype]).eval()
-    return LoadedModel(model=lm, tokenizer=tok, model_id=model_id,
-                       weight_checksum=weights_checksum(lm),
-                       tokenizer_revision=tokenizer_revision(tok), source=source,
-                       path=read_from, dtype=dtype,
+    if dtype != "float32":
+        lm = lm.to(DTYPES[dtype])
+        checksum = weights_checksum(lm)
+    return LoadedModel(model=lm.eval(), tokenizer=tok, model_id=model_id,
+                       weight_checksum=checksum, tokenizer_revision=tokenizer_revision(tok),
+                       source=source, path=read_from, dtype=dtype,
                        load_seconds=time.perf_counter() - start)
 
 
@@ -190,6 +197,16 @@ def _from_folder(path: Path) -> tuple[Any, Any]:
     return lm, tok
 
 
+def _checked_cache_checksum(lm: Any, target: Path) -> str:
+    """Return the cached weights' checksum; raise if it differs from the one written."""
+    meta = json.loads((target / CACHE_META).read_text())
+    checksum = weights_checksum(lm)
+    if meta.get("weight_checksum") != checksum:
+        raise ModelLoadError(f"the model cache {target} is corrupted (weights checksum differs "
+                             "from the one recorded at write time); delete it to rebuild")
+    return checksum
+
+
 def _from_gguf(path: Path) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -215,7 +232,8 @@ def _write_cache(lm: Any, tok: Any, target: Path, meta: dict[str, str]) -> None:
     try:
         lm.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-        record = dict(meta, format=CACHE_FORMAT, weight_checksum=weights_checksum(lm))
+        record = dict(meta, format=CACHE_FORMAT)
+        record.setdefault("weight_checksum", weights_checksum(lm))
         (tmp / CACHE_META).write_text(json.dumps(record, indent=1, sort_keys=True))
         tmp.chmod(0o755)
         try:

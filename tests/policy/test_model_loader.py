@@ -16,7 +16,12 @@ from closedloop.policy import (
     tokenizer_revision,
     weights_checksum,
 )
-from closedloop.policy.model_loader import CACHE_META, _write_cache, resolve_source
+from closedloop.policy.model_loader import (
+    CACHE_META,
+    _write_cache,
+    file_sha256,
+    resolve_source,
+)
 
 
 def test_sources_resolve_without_loading(tmp_path):
@@ -52,6 +57,29 @@ def test_cache_write_is_atomic_and_losers_discard(tokenizer, tmp_path):
     assert meta["weight_checksum"] == weights_checksum(model)
     _write_cache(model, tokenizer, target, {"gguf_sha256": "x"})  # a concurrent loser
     assert sorted(p.name for p in tmp_path.iterdir()) == ["abc"]  # no temp dirs left
+
+
+def test_cache_hit_is_read_and_verified(tokenizer, tmp_path):
+    fake = tmp_path / "m.gguf"
+    fake.write_bytes(b"not really a gguf")
+    sha = file_sha256(fake)
+    model = build_tiny_model(tokenizer, seed=4)
+    cache = tmp_path / "cache"
+    _write_cache(model, tokenizer, cache / sha[:16], {"gguf_sha256": sha})
+    loaded = load_model(fake, cache_dir=cache)  # never parses the fake GGUF: the cache hits
+    assert loaded.source == "cache" and loaded.weight_checksum == weights_checksum(model)
+    assert loaded.model_id == f"m.gguf@sha256:{sha[:16]}"
+    meta_path = cache / sha[:16] / CACHE_META
+    meta = json.loads(meta_path.read_text())
+    meta_path.write_text(json.dumps(dict(meta, weight_checksum="sha256:" + "0" * 64)))
+    with pytest.raises(ModelLoadError, match="corrupted"):
+        load_model(fake, cache_dir=cache)
+
+
+def test_tokenizer_revision_ignores_runtime_padding(tokenizer):
+    before = tokenizer_revision(tokenizer)
+    tokenizer(["a", "a longer text"], padding=True, truncation=True, max_length=8)
+    assert tokenizer_revision(tokenizer) == before
 
 
 @pytest.mark.slow

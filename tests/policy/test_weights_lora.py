@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from closedloop.contracts import SamplerConfig
 from closedloop.policy import (
     AdapterError,
     HFGenerator,
@@ -66,9 +67,10 @@ def test_lora_model_generates_and_scores_consistently(tokenizer, renderer):
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(n)))
-    gen = HFGenerator(model, tokenizer, weight_checksum=policy_weight_checksum(model).combined)
+    gen = HFGenerator(model, tokenizer)
+    assert gen.weight_checksum == policy_weight_checksum(model).combined
     prompt = renderer.render_prompt("Repair a.json")
-    g = gen.generate(prompt, renderer_sampler(), renderer.stop_sequences, 6, seed=0)
+    g = gen.generate(prompt, SamplerConfig(temperature=1.0), renderer.stop_sequences, 6, seed=0)
     ids = torch.tensor([prompt + g.action_token_ids])
     with torch.no_grad():
         lp = sequence_logprobs(model, ids)[0, len(prompt) - 1:]
@@ -77,9 +79,3 @@ def test_lora_model_generates_and_scores_consistently(tokenizer, renderer):
     loss.backward()
     grads = [n for n, p in model.named_parameters() if p.grad is not None]
     assert grads and all("lora_" in n for n in grads)
-
-
-def renderer_sampler():
-    from closedloop.contracts import SamplerConfig
-
-    return SamplerConfig(temperature=1.0)

@@ -18,7 +18,7 @@ from functools import lru_cache
 from types import MappingProxyType
 
 from closedloop.envs.task import HiddenGrader, Split, TaskBundle, TaskSpec
-from closedloop.envs.tasks import cli_repair, file_repair, json_repair, schema_repair
+from closedloop.envs.tasks import cli_repair, file_repair, json_repair, retain, schema_repair
 from closedloop.envs.tasks.base import TaskFamily, UnknownTaskError, build_bundle
 
 FAMILIES: Mapping[str, TaskFamily] = MappingProxyType({
@@ -40,7 +40,13 @@ def get_family(family_id: str) -> TaskFamily:
 
 @lru_cache(maxsize=8192)
 def generate_task(family: str, template: str, index: int) -> TaskBundle:
-    """Generate task ``index`` of ``family``/``template`` (deterministic, memoized)."""
+    """Generate task ``index`` of ``family``/``template`` (deterministic, memoized).
+
+    Retain families (``retain.RETAIN_FAMILIES``) resolve here too, but are not in ``FAMILIES``:
+    they never enter the train/held-out sets.
+    """
+    if family in retain.RETAIN_FAMILIES:
+        return retain.build_retain_bundle(family, template, index)
     return build_bundle(get_family(family), template, index)
 
 

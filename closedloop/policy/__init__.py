@@ -15,6 +15,7 @@ from closedloop.policy.chat import (
     check_append_only,
 )
 from closedloop.policy.generator import (
+    ContextOverflowError,
     FinishReason,
     Generation,
     GenerationError,
@@ -52,8 +53,8 @@ __all__ = [  # noqa: RUF022 -- grouped by topic, sorted within each group
     "CHATML_TOOLS", "ChatMLToolTemplate", "ChatMessage", "ChatRenderer", "ChatTemplateError",
     "SampleTurn", "TemplateReport", "check_append_only",
     # generation
-    "FinishReason", "Generation", "GenerationError", "Generator", "GeneratorStats",
-    "HFGenerator", "SessionId", "StopMatcher", "default_stop_token_ids",
+    "ContextOverflowError", "FinishReason", "Generation", "GenerationError", "Generator",
+    "GeneratorStats", "HFGenerator", "SessionId", "StopMatcher", "default_stop_token_ids",
     # sampling and log-probs
     "LogprobInputError", "sample", "sample_step", "sequence_logprobs", "transform_logits",
     # weights identity and LoRA

@@ -30,6 +30,20 @@ class GenerationError(ContractError):
     """A generation request is invalid (unknown session, empty context, bad budget or ids)."""
 
 
+class ContextOverflowError(GenerationError):
+    """A context plus its token budget exceeds the model's context window (never truncated).
+
+    ``sessions`` names the offenders; the collector ends those episodes with
+    ``max_token_truncation`` instead of letting the model see a silently cut context.
+    """
+
+    def __init__(self, sessions: Sequence[Any], max_context: int) -> None:
+        super().__init__(f"sessions {list(sessions)} would exceed the {max_context}-token "
+                         "context window")
+        self.sessions = list(sessions)
+        self.max_context = max_context
+
+
 class Generation(NamedTuple):
     """One sampled action: ids, behaviour and raw log-probs (same length), finish reason."""
 

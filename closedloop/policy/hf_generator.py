@@ -34,6 +34,7 @@ import torch
 
 from closedloop.contracts import TOOL_CALL_CLOSE, SamplerConfig
 from closedloop.policy.generator import (
+    ContextOverflowError,
     FinishReason,
     Generation,
     GenerationError,
@@ -81,15 +82,20 @@ class HFGenerator:
     ``<|endoftext|>``); ``stop_sequences`` and the ``seed`` of ``self.rng`` are the defaults of
     ``generate_batch`` calls that pass none. ``growing_cache=False`` uses transformers' plain
     ``DynamicLayer`` (re-concatenates the cache every step) instead of ``kv_cache.GrowingKVLayer``.
-    ``weight_checksum`` is computed from the model unless given; call ``refresh_weights`` after
-    changing the weights in place (it also drops every KV cache: they belong to old weights).
+    ``max_context`` (default ``config.max_position_embeddings``) bounds context + new ids: a
+    batch with a session that could exceed it raises ``ContextOverflowError`` (check
+    ``remaining(session)`` first). ``weight_checksum`` is computed from the model unless given;
+    call ``refresh_weights`` after changing the weights in place (it also drops every KV cache:
+    they belong to old weights).
     """
 
     def __init__(self, model: Any, tokenizer: Any, *, weight_checksum: str | None = None,
                  reprefill: bool = False, stop_token_ids: Sequence[int] | None = None,
                  stop_sequences: Sequence[str] = (TOOL_CALL_CLOSE,), seed: int = 0,
-                 growing_cache: bool = True) -> None:
+                 growing_cache: bool = True, max_context: int | None = None) -> None:
         self.model = model
+        self.max_context = int(max_context or getattr(model.config, "max_position_embeddings",
+                                                      None) or 2**31 - 1)
         self.growing_cache = growing_cache
         self.stop_sequences = tuple(stop_sequences)
         self.rng = torch.Generator().manual_seed(seed)
@@ -155,6 +161,10 @@ class HFGenerator:
         """Return a copy of the session's whole context ids."""
         return list(self._session(session).ids)
 
+    def remaining(self, session: SessionId) -> int:
+        """Return how many more ids fit in the session's context window."""
+        return self.max_context - len(self._session(session).ids)
+
     def close(self, session: SessionId) -> None:
         """Forget a session and free its cache."""
         self._sessions.pop(session, None)
@@ -219,6 +229,10 @@ class HFGenerator:
         if max_new < 1:
             raise GenerationError("max_new_tokens must be >= 1")
         states = [self._session(s) for s in sessions]
+        over = [sid for sid, st in zip(sessions, states, strict=True)
+                if len(st.ids) + max_new > self.max_context]
+        if over:
+            raise ContextOverflowError(over, self.max_context)
         if self.reprefill:
             for st in states:
                 st.kv, st.n_cached = None, 0

@@ -6,6 +6,7 @@ import torch
 
 from closedloop.contracts import SamplerConfig
 from closedloop.policy import (
+    ContextOverflowError,
     GenerationError,
     Generator,
     HFGenerator,
@@ -231,3 +232,10 @@ def test_protocol_seed_fork_refresh_and_errors(tiny_model, tokenizer, renderer):
         gen.extend(sid, [10**6])
     with pytest.raises(GenerationError):
         gen.generate_batch([sid, sid], GREEDY, max_new_tokens=2)
+    small = HFGenerator(tiny_model, tokenizer, max_context=len(prompt) + 3)
+    ok, = small.open_sessions([prompt])
+    assert small.remaining(ok) == 3
+    with pytest.raises(ContextOverflowError) as err:
+        small.generate_batch([ok], GREEDY, max_new_tokens=4)
+    assert err.value.sessions == [ok]
+    assert len(small.generate_batch([ok], GREEDY, max_new_tokens=3)[0].action_token_ids) == 3

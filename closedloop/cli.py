@@ -179,10 +179,53 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_smoke(args: argparse.Namespace) -> int:
-    """The smoke experiment on the embedded model with the embedded defaults."""
+    """The smoke experiment on the embedded model: the four controls, then the report."""
     from closedloop.config import smoke_config
 
-    return _run_training(smoke_config(), args)
+    return _run_experiment(smoke_config(), args)
+
+
+def cmd_experiment(args: argparse.Namespace) -> int:
+    """Run (or resume) the four controls of a config from one cold start."""
+    from closedloop.config import load_config
+
+    return _run_experiment(load_config(args.config), args)
+
+
+def _run_experiment(cfg: Any, args: argparse.Namespace) -> int:
+    from closedloop.experiment import run_experiment
+
+    if getattr(args, "model", None):
+        cfg = cfg.with_overrides(model=args.model)
+    exp_dir = Path(args.run_dir or Path(cfg.run_dir) / time.strftime("smoke-%Y%m%d-%H%M%S"))
+    result = run_experiment(cfg, exp_dir)
+    lines = ["", "== held-out success by arm (paired difference from frozen, 95% CI) =="]
+    for name, arm in result["arms"].items():
+        diff = arm.get("diff_vs_frozen")
+        ci = arm.get("success_ci")
+        lines.append(f"{name:9} success {_fmt(arm['success'])} "
+                     f"[{_fmt(ci[0]) if ci else '-'}, {_fmt(ci[1]) if ci else '-'}]"
+                     + (f"  diff {_fmt(diff['estimate'])} [{_fmt(diff['lo'])}, "
+                        f"{_fmt(diff['hi'])}]{' (CI excludes 0)' if diff['excludes_zero'] else ''}"
+                        if diff else ""))
+    report = _write_report(exp_dir)
+    if report:
+        lines.append(f"report: {report}")
+    _print({**result, "report": str(report) if report else None}, args.json, "\n".join(lines))
+    return 0
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _write_report(exp_dir: Path) -> Path | None:
+    try:
+        from closedloop.evaluate.report import write_report
+    except ImportError:
+        return None
+    html, _ = write_report(exp_dir)
+    return Path(html)
 
 
 def _run_training(cfg: Any, args: argparse.Namespace) -> int:
@@ -253,6 +296,10 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("config")
     tr.add_argument("--run-dir")
     tr.set_defaults(fn=cmd_train)
+    ex = sub.add_parser("experiment", help="the four controls of a config, then the report")
+    ex.add_argument("config")
+    ex.add_argument("--run-dir")
+    ex.set_defaults(fn=cmd_experiment)
     sm = sub.add_parser("smoke", help="the smoke experiment on the embedded model")
     sm.add_argument("--run-dir")
     sm.add_argument("--model", help="a local Hugging Face model folder instead")

@@ -93,6 +93,7 @@ class CreditSection:
                        "turn_mass_conserving"] = "episode_sum"
     group_reward_scale: Literal["none", "std"] = "none"
     censor_rule: Literal["discard_group", "drop_censored"] = "discard_group"
+    reward_control: Literal["none", "shuffle_within_group"] = "none"
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,7 @@ class SFTSection:
     learning_rate: float = 1e-3
     noise_rate: float = 0.15
     batch_size: int = 8
+    bf16_autocast: bool = True
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ def train(cfg: RunConfig, run_dir: str | Path) -> dict[str, Any]:
         if not run.resume():
             run.publish(version_name(0))
         start = run.evaluate("start", run.registry.manifest(version_name(0)))
-        if run.step == 0:
+        if run.step == 0 and not (run.dir / "audit.json").is_file():
             run.audit_frozen("start", run.registry.manifest(version_name(0)))
         else:
             log("the start policy's evaluation was reused from its trace")

@@ -45,6 +45,7 @@ from closedloop.contracts import (
     canonical_json,
     content_hash,
     load_episodes,
+    sha256_hex,
 )
 from closedloop.envs.scripted import NoisyExpertPolicy
 from closedloop.envs.tasks.overlap import audit_overlap
@@ -211,7 +212,7 @@ class TrainingRun:
                 result = supervised_warm_start(
                     model, demos, self.pad_id, epochs=cfg.epochs, batch_size=cfg.batch_size,
                     learning_rate=cfg.learning_rate, seed=self.cfg.training.seed,
-                    progress=bar.update)
+                    bf16_autocast=cfg.bf16_autocast, progress=bar.update)
             adapter = {k: v for k, v in model.state_dict().items() if "lora_" in k}
             torch.save(adapter, adapter_file)
             self.sft_tokens = result.trained_action_tokens
@@ -225,21 +226,23 @@ class TrainingRun:
                 f"{result.losses[0]:.3f} -> {result.losses[-1]:.3f}")
         self.model = model.merge_and_unload()
 
-    def collect_demonstrations(self, n: int) -> list[Episode]:
+    def collect_demonstrations(self, n: int, offset: int = 0,
+                               name: str = "sft-demos") -> list[Episode]:
         """Noisy-expert episodes on train tasks, through the same collector and renderer."""
         rate, seed = self.cfg.sft.noise_rate, self.cfg.training.seed
 
         def make_policy(task_id: str, key: str) -> NoisyExpertPolicy:
             return NoisyExpertPolicy(get_bundle(task_id), error_rate=rate,
-                                     seed=int(content_hash([seed, key])[7:15], 16))
+                                     seed=int(content_hash([seed, offset, key])[7:15], 16))
 
         source = ScriptedSource(make_policy, self.renderer.encode, build="scripted-noisy")
-        manifest = self.manifest_for("v0000", demo=True)
+        manifest = self.manifest_for("scripted", demo=True)
         tasks = [self.train_tasks[i % len(self.train_tasks)] for i in range(n)]
-        path = self.dir / "traces" / "sft-demos.jsonl"
+        path = self.dir / "traces" / f"{name}.jsonl"
         path.unlink(missing_ok=True)
         groups = self._collect(source, manifest, path, [
-            (f"demo-{i:04d}", task, 1000 + i, 1) for i, task in enumerate(tasks)], "demos")
+            (f"{name}-{i:04d}", task, 1000 + offset + i, 1) for i, task in enumerate(tasks)],
+            "demos")
         episodes = [ep for g in groups for ep in g.episodes]
         solved = sum(1 for ep in episodes if (ep.trajectory.task_success or 0) >= 1)
         log(f"demonstrations: {len(episodes)} episodes, {solved} solved")
@@ -260,11 +263,18 @@ class TrainingRun:
         self._write_json("trainer.json", trainer_cfg.__dict__)
 
     def manifest_for(self, version: str, demo: bool = False) -> PolicyManifest:
-        """The manifest of ``version`` under the run's scaffold (weights as they are now)."""
-        ident = policy_weight_checksum(self.model)
-        base, adapter, combined = ident.base_checksum, ident.adapter_checksum, ident.combined
+        """The manifest of ``version`` under the run's scaffold (weights as they are now).
+
+        ``demo=True`` gives the scripted demonstrator's manifest: same scaffold, and a weight
+        checksum that names the script, since no weights sampled those actions.
+        """
         if demo:
-            adapter, combined = None, ident.base_checksum
+            script = sha256_hex(f"scripted-noisy-expert/{self.cfg.sft.noise_rate}")
+            base = adapter = None
+            version, combined = "scripted-noisy-expert", script
+        else:
+            ident = policy_weight_checksum(self.model)
+            base, adapter, combined = ident.base_checksum, ident.adapter_checksum, ident.combined
         return build_manifest(
             policy_version=version, weight_checksum=combined,
             tokenizer_revision=self.loaded.tokenizer_revision, renderer=self.renderer,
@@ -450,7 +460,7 @@ class TrainingRun:
         credits, episodes, adv, success = [], [], [], []
         for g in groups:
             trajs = [ep.trajectory for ep in g.episodes]
-            rewards = [t.task_success for t in trajs]
+            rewards = self._control_rewards(g.lease.group_id, [t.task_success for t in trajs])
             censored = [t.termination.is_censored or t.quarantine_reason is not None
                         or t.task_success is None for t in trajs]
             credit = group_advantages(rewards, self.cfg.credit.estimator, censored,
@@ -469,6 +479,46 @@ class TrainingRun:
                 adv.append(float(a[pos]))
                 success.append(bool((rewards[i] or 0) >= 1.0))
         return credits, episodes, adv, success
+
+    def _control_rewards(self, group_id: str, rewards: list[float | None]) -> list[float | None]:
+        """The shuffled-reward null control: permute scored rewards within the group.
+
+        The permutation is seeded by the group id, so a resumed run permutes identically. With
+        ``reward_control: none`` the rewards are returned unchanged.
+        """
+        if self.cfg.credit.reward_control == "none":
+            return rewards
+        scored = [i for i, r in enumerate(rewards) if r is not None]
+        values = [rewards[i] for i in scored]
+        random.Random(f"shuffle/{group_id}").shuffle(values)
+        out = list(rewards)
+        for i, v in zip(scored, values, strict=True):
+            out[i] = v
+        return out
+
+    def sft_only(self, max_tokens: int, label: str) -> dict[str, Any]:
+        """The SFT-only control: more supervised steps on fresh demonstrations, stopping at
+        ``max_tokens`` trained action tokens (matched to an RL arm), then publish the result
+        as the final version. ``max_tokens == 0`` (the RL arm trained on nothing) trains
+        nothing.
+        """
+        cfg = self.cfg.sft
+        trained, steps = 0, 0
+        if max_tokens > 0:
+            demos = self.collect_demonstrations(cfg.demonstrations, offset=10_000,
+                                                name=f"sft-only-{label}")
+            with Progress(max_tokens, "sft-only", "tok") as bar:
+                result = supervised_warm_start(
+                    self.model, demos, self.pad_id, epochs=max(1, cfg.epochs * 4),
+                    batch_size=cfg.batch_size, learning_rate=self.cfg.training.learning_rate,
+                    seed=self.cfg.training.seed + 7, max_tokens=max_tokens)
+                bar.update(min(max_tokens, result.trained_action_tokens))
+            trained, steps = result.trained_action_tokens, result.optimizer_steps
+        self.publish(version_name(self.cfg.training.rl_steps))
+        meta = {"optimizer_steps": steps, "trained_action_tokens": trained,
+                "target_tokens": max_tokens}
+        self.log_metrics("sft_only", meta)
+        return meta
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint(self, step: int, version: str) -> None:

@@ -80,6 +80,18 @@ def detect_tamper(bundle: TaskBundle, state: ExportedState) -> str | None:
     return None
 
 
+def _grade_state(bundle: TaskBundle, state: ExportedState) -> GradeResult:
+    """Grade with the task's grader: most read the final files; retain-suite kinds (e.g. the
+    safety suite's "abstained cleanly") read the whole exported state."""
+    from closedloop.envs.tasks.retain import STATE_GRADERS  # retain tasks live in envs.tasks
+
+    state_grader = STATE_GRADERS.get(str(bundle.grader.checks.get("kind")))
+    if state_grader is not None:
+        passed, reason = state_grader(bundle.grader.checks, state)
+        return GradeResult(passed, reason)
+    return grade(bundle.grader.checks, state.files)
+
+
 def collateral_damage(bundle: TaskBundle, files: Mapping[str, str]) -> int:
     """The number of protected files that were changed or deleted."""
     return sum(1 for path, digest in bundle.grader.protected_hashes.items()
@@ -106,7 +118,7 @@ class Verifier:
         evidence = detect_tamper(bundle, state)
         if evidence is not None:
             raise TamperDetected(f"{task_id}: {evidence}")
-        result = grade(bundle.grader.checks, state.files)
+        result = _grade_state(bundle, state)
         reward = {
             "task_success": 1.0 if result.passed else 0.0,
             "policy_violation": float(len(state.counters.violations)),
@@ -194,8 +206,8 @@ def check_solvable(bundle: TaskBundle, seed: int = 0,
     episode = play(env, ExpertPolicy(bundle), task_id, seed,
                    max_steps=len(bundle.grader.gold_actions))
     if not (episode.transitions and episode.transitions[-1].done) or \
-            decode_state(episode.final_state).final_action != "finish":
-        return "expert episode did not end with finish within the gold length"
+            decode_state(episode.final_state).final_action != bundle.grader.gold_actions[-1].kind:
+        return "expert episode did not end like its gold solution within the gold length"
     gold = v.score_or_quarantine(task_id, episode.final_state)
     if gold.reward is None:
         return f"gold replay quarantined: {gold.quarantine_reason}"

@@ -193,8 +193,8 @@ def check_draft(draft: TaskDraft) -> None:
     if n_gold == 0 or n_gold > min(MAX_GOLD_ACTIONS, draft.step_budget):
         raise TaskGenerationError(f"gold solution has {n_gold} actions (allowed 1.."
                                   f"{min(MAX_GOLD_ACTIONS, draft.step_budget)})")
-    if draft.gold_actions[-1].kind != "finish":
-        raise TaskGenerationError("gold solution must end with finish")
+    if draft.gold_actions[-1].kind not in ("finish", "abstain"):
+        raise TaskGenerationError("gold solution must end with finish or abstain")
     if not isinstance(draft.checks.get("kind"), str):
         raise TaskGenerationError("checks must name a grader 'kind'")
     if not draft.objective.strip():

@@ -1,0 +1,134 @@
+"""The four controls from one cold start (seed 000 §7; seed 002 step 11.5.5).
+
+    frozen     the warm-started policy, no update (its held-out result is the start evaluation)
+    rloo       the normal synchronous RL arm
+    shuffled   the null: the same loop with rewards permuted within each group
+    sft_only   supervised steps on fresh demonstrations, trained action tokens matched to rloo
+
+Every arm starts from the same warm start (its adapter is copied, not retrained) and is
+evaluated on the same held-out tasks with the same seeds and the same scaffold. Each arm's
+success is reported with its paired difference from ``frozen`` (bootstrap over tasks). The
+experiment directory holds ``experiment.json`` and one run directory per arm under ``arms/``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Literal
+
+from closedloop.config import RunConfig
+from closedloop.contracts import load_episodes
+from closedloop.evaluate.heldout import EvalSummary, summarize_eval
+from closedloop.evaluate.stats import paired_bootstrap_ci
+from closedloop.loop import train
+from closedloop.policy.registry import version_name
+from closedloop.progress import log
+from closedloop.training import TrainingRun
+
+ARMS = ("frozen", "rloo", "shuffled", "sft_only")
+SHARED = ("sft/adapter.pt", "sft/result.json", "traces/sft-demos.jsonl",
+          "traces/eval-start.jsonl", "audit.json")
+
+
+def _copy_cold_start(cold: Path, arm: Path) -> None:
+    """Give an arm the cold start's warm-start adapter and start evaluation."""
+    for rel in SHARED:
+        src, dst = cold / rel, arm / rel
+        if src.is_file() and not dst.is_file():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst)
+
+
+def _eval_of(run_dir: Path, label: str, cfg: RunConfig) -> EvalSummary:
+    _, episodes = load_episodes(run_dir / "traces" / f"eval-{label}.jsonl")
+    return summarize_eval(episodes, k=cfg.evaluation.attempts_per_task, seed=cfg.training.seed)
+
+
+def _cold_start(cfg: RunConfig, frozen_dir: Path) -> None:
+    """Warm start, publish v0000, evaluate it and audit it: the frozen arm in full."""
+    run = TrainingRun(cfg, frozen_dir)
+    try:
+        if cfg.sft.enabled:
+            run.warm_start()
+        run.attach_rl_adapter()
+        if not run.resume():
+            run.publish(version_name(0))
+        manifest = run.registry.manifest(version_name(0))
+        run.evaluate("start", manifest)
+        if not (frozen_dir / "audit.json").is_file():
+            run.audit_frozen("start", manifest)
+    finally:
+        run.close()
+
+
+def _sft_only(cfg: RunConfig, arm_dir: Path, tokens: int) -> None:
+    run = TrainingRun(cfg, arm_dir)
+    try:
+        if cfg.sft.enabled:
+            run.warm_start()
+        run.attach_rl_adapter()
+        if not (arm_dir / "traces" / "eval-final.jsonl").is_file():
+            run.publish(version_name(0))
+            run.sft_only(tokens, "matched")
+        run.evaluate("final", run.registry.manifest(version_name(cfg.training.rl_steps)))
+    finally:
+        run.close()
+
+
+def _trained_tokens(run_dir: Path) -> int:
+    """Action tokens the RL arm's optimizer steps trained on (from its metrics)."""
+    total = 0
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("kind") == "rl_step":
+            total += int(rec.get("metrics", {}).get("batch/n_action_tokens") or 0)
+    return total
+
+
+def run_experiment(cfg: RunConfig, exp_dir: str | Path) -> dict[str, Any]:
+    """Run (or resume) the four arms and write experiment.json; return its content."""
+    root = Path(exp_dir)
+    arms = {name: root / "arms" / name for name in ARMS}
+    log("experiment: cold start (warm start, start evaluation, audit) = the frozen arm")
+    _cold_start(cfg, arms["frozen"])
+    controls: tuple[tuple[str, Literal["none", "shuffle_within_group"]], ...] = (
+        ("rloo", "none"), ("shuffled", "shuffle_within_group"))
+    for name, control in controls:
+        if not (arms[name] / "summary.json").is_file():
+            _copy_cold_start(arms["frozen"], arms[name])
+            log(f"experiment: arm {name}")
+            arm_cfg = replace(cfg, credit=replace(cfg.credit, reward_control=control))
+            train(arm_cfg, arms[name])
+    tokens = _trained_tokens(arms["rloo"])
+    _copy_cold_start(arms["frozen"], arms["sft_only"])
+    log(f"experiment: arm sft_only, matched to {tokens} RL action tokens")
+    _sft_only(cfg, arms["sft_only"], tokens)
+    result = summarize_experiment(cfg, arms, tokens)
+    (root / "experiment.json").write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    return result
+
+
+def summarize_experiment(cfg: RunConfig, arms: dict[str, Path], tokens: int) -> dict[str, Any]:
+    """Each arm's held-out success and its paired difference from frozen, with CIs."""
+    frozen = _eval_of(arms["frozen"], "start", cfg)
+    base = frozen.per_task_success()
+    out: dict[str, Any] = {"arms": {}, "matched_action_tokens": tokens,
+                           "heldout_tasks": len(base), "seeds": list(cfg.evaluation.seeds)}
+    for name in ARMS:
+        summary = frozen if name == "frozen" else _eval_of(arms[name], "final", cfg)
+        per_task = summary.per_task_success()
+        entry: dict[str, Any] = {"run_dir": str(arms[name]), "success": summary.pass_at_1,
+                                 "success_ci": summary.pass_at_1_ci,
+                                 "pass_hat_k": summary.pass_hat_k,
+                                 "invalid_action_rate": summary.invalid_action_rate}
+        common = sorted(set(per_task) & set(base))
+        if name != "frozen" and len(common) >= 2:
+            ci = paired_bootstrap_ci({t: per_task[t] for t in common},
+                                     {t: base[t] for t in common}, seed=cfg.training.seed)
+            entry["diff_vs_frozen"] = {"estimate": ci.estimate, "lo": ci.lo, "hi": ci.hi,
+                                       "n_tasks": ci.n, "excludes_zero": ci.lo > 0 or ci.hi < 0}
+        out["arms"][name] = entry
+    return out

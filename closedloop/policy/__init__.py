@@ -32,6 +32,7 @@ from closedloop.policy.lora import (
     load_adapter,
     policy_weight_checksum,
     save_adapter,
+    split_state_dict,
 )
 from closedloop.policy.model_loader import (
     LoadedModel,
@@ -59,5 +60,5 @@ __all__ = [  # noqa: RUF022 -- grouped by topic, sorted within each group
     "LogprobInputError", "sample", "sample_step", "sequence_logprobs", "transform_logits",
     # weights identity and LoRA
     "AdapterError", "PolicyChecksum", "attach_lora", "combine_checksums", "load_adapter",
-    "policy_weight_checksum", "save_adapter", "weights_checksum",
+    "policy_weight_checksum", "save_adapter", "split_state_dict", "weights_checksum",
 ]

@@ -24,7 +24,9 @@ starts with ``<|im_end|>``; an action that ended with ``<|im_end|>`` itself alre
 turn, and the delta (``turn_closed=True``) starts with the ``\\n`` after it. Either way the
 threaded ids spell the whole-conversation text above. Every seam between segments sits next to a
 special token, which BPE never merges across, so delta tokenization equals whole tokenization;
-``check_append_only`` verifies this (and reports seam merges) for any template.
+``check_append_only`` verifies this (and reports seam merges) for any template. Action ids stay
+as sampled: the model may emit a non-canonical split (``</`` ``tool`` ... instead of what
+``encode`` would give), which is one more reason nothing downstream re-tokenizes text.
 """
 
 from __future__ import annotations

@@ -67,20 +67,34 @@ def is_peft_model(model: Any) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
+def split_state_dict(model: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Return ``(base, adapter)`` state dicts of a model, the tensors the checksums cover.
+
+    base: the base model's tensors under its own names (peft's ``base_model.model.`` prefix and
+    ``.base_layer`` segment removed). adapter: every LoRA tensor (``lora_*``,
+    ``modules_to_save``) under its in-memory peft name; empty for a plain model. Stage exactly
+    this adapter dict in the policy registry so its checksum equals ``adapter_checksum``.
+    """
+    if not is_peft_model(model):
+        return dict(model.state_dict()), {}
+    base, adapter = {}, {}
+    for name, tensor in model.state_dict().items():
+        plain = name.removeprefix(PEFT_PREFIX)
+        if "lora_" in plain or "modules_to_save" in plain:
+            adapter[name] = tensor
+        else:
+            base[plain.replace(".base_layer.", ".")] = tensor
+    return base, adapter
+
+
 def policy_weight_checksum(model: Any) -> PolicyChecksum:
     """Return base, adapter and combined checksums of a plain or LoRA-wrapped model."""
     if not is_peft_model(model):
         base = weights_checksum(model)
         return PolicyChecksum(base, None, base)
-    base_named, adapter_named = [], []
-    for name, tensor in model.state_dict().items():
-        plain = name.removeprefix(PEFT_PREFIX)
-        if "lora_" in plain or "modules_to_save" in plain:
-            adapter_named.append((name, tensor))
-        else:
-            base_named.append((plain.replace(".base_layer.", "."), tensor))
-    base = checksum_tensors(base_named)
-    adapter = checksum_tensors(adapter_named)
+    base_sd, adapter_sd = split_state_dict(model)
+    base = checksum_tensors(base_sd.items())
+    adapter = checksum_tensors(adapter_sd.items())
     return PolicyChecksum(base, adapter, combine_checksums(base, adapter))
 
 

@@ -1,6 +1,7 @@
 """Benchmark (not a test): batched multi-turn generation with vs without KV reuse.
 
-Run: .venv/bin/python -m tests.policy.bench_generation [--turns 4] [--batch 8] [--threads 1]
+Run: .venv/bin/python -m tests.policy.bench_generation [--turns 3] [--batch 8] [--threads 1]
+     [--repeats 3] [--catcache]
 On a shared 2-core host, ``--threads 1`` avoids OpenMP oversubscription (measured: a batch-8
 decode step took 1.29 s with 2 threads vs 0.29 s with 1 while other jobs ran).
 Episode shape of design.md §6: ~200-token prompt, +40 observation ids and +24 action ids a turn.
@@ -9,6 +10,7 @@ ratios come from one run (the host drifts 10-25% between runs).
 """
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -44,9 +46,11 @@ def episode(gen, renderer, batch, turns, sampler, obs_ids):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--catcache", action="store_true", help="also time plain DynamicCache")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave default)")
     args = ap.parse_args()
     if args.threads:
@@ -60,23 +64,30 @@ def main() -> None:
     renderer = ChatRenderer(loaded.tokenizer, SYSTEM, TOOLS)
     obs_ids = renderer.render_observation("ok " * 30)[:40]
     greedy = SamplerConfig(greedy=True)
-    res = {}
-    modes = (("kv_reuse", False, True), ("reprefill", True, True),
-             ("kv_reuse_catcache", False, False))
-    for name, reprefill, growing in modes:
-        gen = HFGenerator(model, loaded.tokenizer, reprefill=reprefill, growing_cache=growing,
-                          weight_checksum=loaded.weight_checksum)
-        rate, dt, outs, ctx = episode(gen, renderer, args.batch, args.turns, greedy, obs_ids)
-        res[name] = (rate, outs)
-        print(f"{name:17s}: {rate:6.1f} new tokens/s  ({dt:.1f}s, batch {args.batch}, "
-              f"{args.turns} turns, final context {ctx}, prefilled {gen.stats.prefill_tokens} ids "
-              f"in {gen.stats.prefill_s:.1f}s, decoded {gen.stats.decode_tokens} ids in "
-              f"{gen.stats.decode_s:.1f}s)")
-    print(f"speed-up kv_reuse/reprefill: {res['kv_reuse'][0] / res['reprefill'][0]:.2f}x; "
-          f"kv_reuse/kv_reuse_catcache: "
-          f"{res['kv_reuse'][0] / res['kv_reuse_catcache'][0]:.2f}x; greedy outputs identical: "
-          f"{res['kv_reuse'][1] == res['reprefill'][1] == res['kv_reuse_catcache'][1]}")
-
+    modes = [("kv_reuse", False, True), ("reprefill", True, True)]
+    if args.catcache:
+        modes.append(("kv_reuse_catcache", False, False))
+    rates: dict[str, list[float]] = {m[0]: [] for m in modes}
+    outputs: dict[str, list] = {}
+    for rep in range(args.repeats):  # rotate the order: drift on a shared host hits all modes
+        for name, reprefill, growing in modes[rep % len(modes):] + modes[:rep % len(modes)]:
+            gen = HFGenerator(model, loaded.tokenizer, reprefill=reprefill,
+                              growing_cache=growing, weight_checksum=loaded.weight_checksum)
+            rate, dt, outs, ctx = episode(gen, renderer, args.batch, args.turns, greedy, obs_ids)
+            rates[name].append(rate)
+            outputs[name] = outs
+            print(f"rep {rep} {name:17s}: {rate:6.1f} new tokens/s ({dt:.1f}s, final context "
+                  f"{ctx}, prefilled {gen.stats.prefill_tokens} ids in "
+                  f"{gen.stats.prefill_s:.1f}s, decoded {gen.stats.decode_tokens} ids in "
+                  f"{gen.stats.decode_s:.1f}s)")
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    for other in med:
+        if other != "kv_reuse":
+            ratios = [a / b for a, b in zip(rates["kv_reuse"], rates[other], strict=True)]
+            print(f"kv_reuse vs {other}: median {med['kv_reuse']:.1f} vs {med[other]:.1f} "
+                  f"tokens/s, per-repeat ratios {[round(r, 2) for r in ratios]}")
+    same = all(o == outputs["kv_reuse"] for o in outputs.values())
+    print(f"greedy outputs identical across modes: {same}")
 
 if __name__ == "__main__":
     main()

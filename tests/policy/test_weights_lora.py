@@ -13,9 +13,10 @@ from closedloop.policy import (
     policy_weight_checksum,
     save_adapter,
     sequence_logprobs,
+    split_state_dict,
     weights_checksum,
 )
-from closedloop.policy.weights import checksum_tensors
+from closedloop.policy.weights import checksum_tensors, state_dict_checksum
 
 
 def test_checksum_is_deterministic_and_sees_one_changed_weight(tokenizer):
@@ -45,6 +46,9 @@ def test_lora_changes_the_combined_checksum_not_the_base(tokenizer, tmp_path):
     ck = policy_weight_checksum(peft_model)
     assert ck.base_checksum == plain and ck.adapter_checksum is not None
     assert ck.combined not in (plain, ck.adapter_checksum)
+    base_sd, adapter_sd = split_state_dict(peft_model)
+    assert state_dict_checksum(adapter_sd) == ck.adapter_checksum
+    assert state_dict_checksum(base_sd) == plain and all("lora_" in n for n in adapter_sd)
     again = policy_weight_checksum(attach_lora(build_tiny_model(tokenizer, seed=0), r=4,
                                                alpha=8, seed=3))
     assert again == ck  # seeded adapter initialization

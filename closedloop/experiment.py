@@ -30,7 +30,7 @@ from closedloop.training import TrainingRun
 
 ARMS = ("frozen", "rloo", "shuffled", "sft_only")
 SHARED = ("sft/adapter.pt", "sft/result.json", "traces/sft-demos.jsonl",
-          "traces/eval-start.jsonl", "audit.json")
+          "traces/eval-start.jsonl", "traces/eval-retain-start.jsonl", "audit.json")
 
 
 def _copy_cold_start(cold: Path, arm: Path) -> None:
@@ -58,6 +58,7 @@ def _cold_start(cfg: RunConfig, frozen_dir: Path) -> None:
             run.publish(version_name(0))
         manifest = run.registry.manifest(version_name(0))
         run.evaluate("start", manifest)
+        run.evaluate_retain("start", manifest)
         if not (frozen_dir / "audit.json").is_file():
             run.audit_frozen("start", manifest)
     finally:

@@ -20,6 +20,7 @@ from typing import Any
 
 from closedloop.config import RunConfig
 from closedloop.evaluate.heldout import EvalSummary
+from closedloop.evaluate.retain import retain_delta
 from closedloop.policy.registry import version_name
 from closedloop.progress import log
 from closedloop.training import StepReport, TrainingRun, write_summary
@@ -35,6 +36,7 @@ def train(cfg: RunConfig, run_dir: str | Path) -> dict[str, Any]:
         if not run.resume():
             run.publish(version_name(0))
         start = run.evaluate("start", run.registry.manifest(version_name(0)))
+        retain_start = run.evaluate_retain("start", run.registry.manifest(version_name(0)))
         if run.step == 0 and not (run.dir / "audit.json").is_file():
             run.audit_frozen("start", run.registry.manifest(version_name(0)))
         else:
@@ -48,7 +50,11 @@ def train(cfg: RunConfig, run_dir: str | Path) -> dict[str, Any]:
                 f"kl {report.metrics.get('losses/kl')}")
         final_version = version_name(cfg.training.rl_steps)
         final = run.evaluate("final", run.registry.manifest(final_version))
+        retain_final = run.evaluate_retain("final", run.registry.manifest(final_version))
+        retain = retain_delta(retain_start, retain_final, seed=cfg.training.seed).to_dict()
+        run.log_metrics("retain", retain)
         summary = summarize_run(run, start, final, steps)
+        summary["retain_delta"] = retain
         path = write_summary(run, summary)
         log(f"summary written to {path}")
         return summary

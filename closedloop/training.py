@@ -49,9 +49,11 @@ from closedloop.contracts import (
 )
 from closedloop.envs.scripted import NoisyExpertPolicy
 from closedloop.envs.tasks.overlap import audit_overlap
-from closedloop.envs.tasks.registry import get_bundle
+from closedloop.envs.tasks.registry import get_bundle, get_spec
+from closedloop.envs.tasks.retain import retain_task_ids
 from closedloop.envs.tasks.split import build_task_sets
 from closedloop.evaluate.heldout import EvalSummary, summarize_eval
+from closedloop.evaluate.retain import summarize_suites
 from closedloop.learn.audit import AuditResult, audit_logprobs
 from closedloop.learn.checkpoint import (
     capture_rng_states,
@@ -70,6 +72,7 @@ from closedloop.rollout.admission import AdmissionController, apply_decision
 from closedloop.rollout.collector import CollectedGroup
 from closedloop.rollout.ledger import GroupSummary, Ledger
 from closedloop.rollout.source import ActionSource, GeneratorSource, ScriptedSource
+from closedloop.rollout.task_sampler import DifficultyBandSampler
 from closedloop.rollout.tensors import build_training_batch
 from closedloop.runtime import (
     AGENT_TOOLS,
@@ -147,6 +150,9 @@ class TrainingRun:
         self.registry = PolicyRegistry(self.dir / "registry")
         self.admission = AdmissionController(cfg.rollout.max_version_lag,
                                              censor_rule=cfg.credit.censor_rule)
+        self.sampler = DifficultyBandSampler(
+            self.train_tasks, [get_spec(t).family for t in self.train_tasks],
+            seed=cfg.training.seed)
         self.trainer: Trainer | None = None
         self.step = 0
         self.consumed: set[str] = set()
@@ -344,6 +350,26 @@ class TrainingRun:
         self.log_metrics("eval", {"label": label, **summary.to_dict()})
         return summary
 
+    def evaluate_retain(self, label: str, manifest: PolicyManifest) -> dict[str, EvalSummary]:
+        """The retain suites (tool use, instruction following, safety), one attempt per task
+        with the first evaluation seed; summaries per suite."""
+        ev = self.cfg.evaluation
+        path = self.dir / "traces" / f"eval-retain-{label}.jsonl"
+        if path.is_file():
+            episodes = load_episodes(path)[1]
+        else:
+            tasks = retain_task_ids(tuple(ev.retain_suites))
+            seed = ev.seeds[0]
+            self.generator.rng.manual_seed(int(content_hash(["retain", label])[7:15], 16))
+            groups = [(f"retain-{label}-{i:03d}", t, seed, 1) for i, t in enumerate(tasks)]
+            collected = self._collect(self.model_source(manifest), manifest, path, groups,
+                                      f"retain {label}")
+            episodes = [ep for g in collected for ep in g.episodes]
+        suites = summarize_suites(episodes, k=1, seed=self.cfg.training.seed)
+        self.log_metrics("retain_eval", {"label": label, **{
+            name: summary.to_dict() for name, summary in suites.items()}})
+        return suites
+
     def audit_frozen(self, label: str, manifest: PolicyManifest) -> AuditResult:
         """Generator vs trainer log-probs at the frozen checkpoint that sampled eval ``label``.
 
@@ -367,12 +393,14 @@ class TrainingRun:
 
     # ------------------------------------------------------------------ one RL step
     def step_groups(self, step: int) -> list[tuple[str, str, int, int]]:
-        """The groups of RL step ``step``: deterministic task choice, seed and group ids."""
+        """The groups of RL step ``step``: tasks from the difficulty-band sampler (each draw's
+        stream and propensity are logged), deterministic seeds and group ids."""
         t = self.cfg.training
         rng = random.Random(f"{t.seed}/step/{step}")
-        tasks = rng.sample(self.train_tasks, t.groups_per_step)
-        return [(f"s{step:04d}-g{j}", task, rng.randrange(1, 10**6), self.cfg.rollout.group_size)
-                for j, task in enumerate(tasks)]
+        draws = self.sampler.sample(t.groups_per_step, step)
+        self.log_metrics("task_draws", {"step": step, "draws": [d.to_dict() for d in draws]})
+        return [(f"s{step:04d}-g{j}", d.task_id, rng.randrange(1, 10**6),
+                 self.cfg.rollout.group_size) for j, d in enumerate(draws)]
 
     def collect_step(self, step: int, manifest: PolicyManifest) -> list[CollectedGroup]:
         """Collect (or, after a crash, reload) the complete groups of step ``step``."""
@@ -415,6 +443,7 @@ class TrainingRun:
             metrics = dict(result.metrics)
         times["update_s"] = time.perf_counter() - t2
         t3 = time.perf_counter()
+        self._update_sampler(groups)
         output = version_name(step + 1)
         self.consumed.update(g.lease.group_id for g in admitted)
         self._checkpoint(step + 1, output)
@@ -436,6 +465,21 @@ class TrainingRun:
             "discard_reasons": dict(summary.discard_reasons)}})
         self.step = step + 1
         return report
+
+    def _update_sampler(self, groups: Sequence[CollectedGroup]) -> None:
+        """Per-task success counts for the difficulty bands; infra failures count apart."""
+        for g in groups:
+            trajs = [ep.trajectory for ep in g.episodes]
+            scored = [t.task_success for t in trajs if t.task_success is not None]
+            if scored:
+                self.sampler.update(g.lease.task_id, sum(1 for s in scored if s >= 1.0),
+                                    len(scored))
+            for t in trajs:
+                if t.quarantine_reason is not None or t.termination.value == "infra_abort":
+                    self.sampler.record_failure(g.lease.task_id,
+                                                t.quarantine_reason or "infra_abort")
+        self.log_metrics("task_sampler", self.sampler.to_dict(
+            group_size=self.cfg.rollout.group_size))
 
     def _admit(self, groups: Sequence[CollectedGroup], train_version_index: int
                ) -> list[CollectedGroup]:
@@ -528,7 +572,8 @@ class TrainingRun:
                    if "lora_" in k}
         save_checkpoint(self.dir / "checkpoints", step, adapter,
                         self.trainer.optimizer.state_dict(), version, sorted(self.consumed),
-                        capture_rng_states(), {"sft_tokens": self.sft_tokens})
+                        capture_rng_states(), {"sft_tokens": self.sft_tokens,
+                                               "task_sampler": self.sampler.to_dict()})
 
     def resume(self) -> bool:
         """Restore the latest checkpoint, if any, and reconcile the ledger with it."""
@@ -542,6 +587,8 @@ class TrainingRun:
             raise RuntimeError(f"checkpoint holds unknown tensors: {missing.unexpected_keys}")
         self.trainer.optimizer.load_state_dict(ckpt.optimizer_state)
         restore_rng_states(ckpt.rng_states)
+        if "task_sampler" in ckpt.extra:
+            self.sampler = DifficultyBandSampler.from_dict(ckpt.extra["task_sampler"])
         self.step = ckpt.step
         self.trainer.step_count = ckpt.step
         self.consumed = set(ckpt.consumed_group_ids)

@@ -33,7 +33,7 @@ from closedloop.evaluate.plots import (
     plot_training,
 )
 from closedloop.evaluate.rundir import RunDir, eval_summary, experiment_of, find_arms, load_run
-from closedloop.evaluate.stats import paired_bootstrap_ci
+from closedloop.evaluate.stats import paired_bootstrap_ci, wilson_interval
 
 __all__ = ["REPORT_SCHEMA", "build_report", "capability_claim", "render_html", "write_report"]
 
@@ -98,6 +98,8 @@ def capability_claim(gates: GateReport, comparison: Mapping[str, Any]) -> dict[s
             parts.append(f"gates failed: {', '.join(gates.failed)}")
         if gates.not_measured:
             parts.append(f"gates not measured: {', '.join(gates.not_measured)}")
+        if gates.not_evaluated:
+            parts.append(f"gates not evaluated: {', '.join(gates.not_evaluated)}")
         return {**base, "gain": None, "statement": "Capability gain not measured: "
                 + "; ".join(parts) + ". No gain is claimed."}
     if not comparison.get("measured"):
@@ -354,7 +356,10 @@ def _verifier_html(v: Mapping[str, Any] | None) -> str:
              v["fp_upper_bound"]],
             ["false negatives", v["fn"], v["n_positive"], v["fn_rate"], v["fn_ci"],
              v["fn_upper_bound"]],
-            ["tamper not quarantined", v["tamper_missed"], v["n_tamper"], None, None, 0]]
+            ["tamper not quarantined", v["tamper_missed"], v["n_tamper"],
+             v["tamper_missed"] / v["n_tamper"] if v["n_tamper"] else None,
+             list(wilson_interval(v["tamper_missed"], v["n_tamper"])) if v["n_tamper"]
+             else None, 0]]
     return _table(["error", "count", "denominator", "rate", "Wilson 95% CI",
                    "preregistered bound"], rows, "verifier-table") + \
         f"<p>{_fmt(v['verifier_version'])}; gate {_fmt(v['status'])}.</p>"

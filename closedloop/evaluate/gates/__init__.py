@@ -12,9 +12,9 @@ fixtures). Verdicts:
 - ``applicable=False`` with ``passed=True``: the gate guards a mode the run does not use
   (async-vs-sync equivalence on a synchronous run); shown as N/A.
 
-``GateReport.all_passed`` is True only when every gate passed; "not measured" is not a pass.
-``GateReport.exit_code`` (the ``closedloop gates`` exit status): 0 every gate passed, 1 a gate
-failed, 3 none failed but some were not measured.
+``GateReport.all_passed`` is True only when every gate of the list was evaluated and passed;
+"not measured" is not a pass. ``GateReport.exit_code`` (the ``closedloop gates`` exit status):
+0 every gate passed, 1 a gate failed, 3 none failed but some were not measured (or evaluated).
 
 ``evaluate_gates`` accepts a run directory or an experiment directory (then the gates are those
 of its RL arm: the arm named ``rloo``, else the first arm that is not a control).
@@ -98,7 +98,9 @@ def evaluate_gates(run_dir: str | Path, options: GateOptions | None = None,
             gate = Gate(name, False, {"error": f"{type(exc).__name__}: {exc}"},
                         f"the check raised {type(exc).__name__}: {exc}")
         gates.append(gate)
-    return GateReport(str(run.path), tuple(gates))
+    done = {g.name for g in gates}
+    return GateReport(str(run.path), tuple(gates),
+                      tuple(n for n in GATE_NAMES if n not in done))
 
 
 def _short(evidence: dict[str, object], width: int) -> str:
@@ -117,6 +119,6 @@ def format_table(report: GateReport, evidence_width: int = 90) -> str:
         lines.append(f"{'':<{name_w}}  {'':<12}  {_short(dict(g.evidence), evidence_width)}")
     verdict = ("ALL GATES PASSED" if report.all_passed else
                f"FAILED: {', '.join(report.failed)}" if report.failed else
-               f"NOT MEASURED: {', '.join(report.not_measured)}")
+               f"NOT MEASURED: {', '.join(report.not_measured + list(report.not_evaluated))}")
     lines.append(f"{verdict}  ({report.run_dir})")
     return "\n".join(lines)

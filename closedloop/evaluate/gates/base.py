@@ -39,15 +39,21 @@ class Gate:
 
 @dataclass(frozen=True)
 class GateReport:
-    """All gates of one run, in the seed's order."""
+    """The gates of one run, in the seed's order.
+
+    ``not_evaluated`` names the gates of the full list that were left out (``only=``): a
+    partial report never counts as all passed.
+    """
 
     run_dir: str
     gates: tuple[Gate, ...]
+    not_evaluated: tuple[str, ...] = ()
 
     @property
     def all_passed(self) -> bool:
-        """True only when every gate passed (not measured is not a pass)."""
-        return bool(self.gates) and all(g.passed is True for g in self.gates)
+        """True only when every gate was evaluated and passed (not measured is no pass)."""
+        return (bool(self.gates) and not self.not_evaluated
+                and all(g.passed is True for g in self.gates))
 
     @property
     def failed(self) -> list[str]:
@@ -61,8 +67,8 @@ class GateReport:
 
     @property
     def exit_code(self) -> int:
-        """0 all passed, 1 any failed, 3 only not-measured gates remain."""
-        return 1 if self.failed else 3 if self.not_measured else 0
+        """0 all passed, 1 any failed, 3 none failed but not all were measured."""
+        return 1 if self.failed else 0 if self.all_passed else 3
 
     def gate(self, name: str) -> Gate:
         """The gate called ``name`` (``KeyError`` if it was not evaluated)."""
@@ -74,7 +80,8 @@ class GateReport:
     def to_dict(self) -> dict[str, Any]:
         """JSON form."""
         return {"run_dir": self.run_dir, "all_passed": self.all_passed, "failed": self.failed,
-                "not_measured": self.not_measured, "gates": [g.to_dict() for g in self.gates]}
+                "not_measured": self.not_measured, "not_evaluated": list(self.not_evaluated),
+                "gates": [g.to_dict() for g in self.gates]}
 
 
 @dataclass(frozen=True)

@@ -50,8 +50,8 @@ def gate_max_version_lag(run: RunDir, opts: GateOptions) -> Gate:
     the update that produced v_s) was ``lag = (s - 1) - k`` versions behind the weights it
     updated; the synchronous loop applies v_k's groups at step k + 1, lag 0.
     """
-    if not run.has_ledger:
-        return Gate("max_version_lag", None, {}, "no ledger")
+    if not run.has_ledger or not run.traces_of("step"):
+        return Gate("max_version_lag", None, {}, "no ledger or no RL step traces")
     bound = int(run.section("rollout").get("max_version_lag", 0))
     lags: Counter[int] = Counter()
     over: list[str] = []
@@ -266,6 +266,10 @@ ROLE_VALUES: Mapping[str, tuple[str, ...]] = {
 
 def gate_policy_roles(run: RunDir, opts: GateOptions) -> Gate:
     """π_beh, π_prox and π_ref are declared, consistent with the trainer and actually used."""
+    if run.trainer is None and not run.metrics_of("rl_step"):
+        return Gate("policy_roles_unambiguous", None, {"roles": {k: run.section("update").get(k)
+                                                               for k in ROLE_VALUES}},
+                    "no trainer.json and no RL step: the update never started")
     update, trainer = run.section("update"), run.trainer or {}
     problems = [f"update.{k} = {update.get(k)!r}, expected one of {v}"
                 for k, v in ROLE_VALUES.items() if update.get(k) not in v]

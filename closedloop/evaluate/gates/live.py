@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from closedloop.contracts import Action, Episode
+from closedloop.contracts import Action, ClosedloopError, Episode
 from closedloop.envs.check import check_env, check_reset, replay_property
-from closedloop.envs.errors import EnvCheckError, EnvError, EpisodeDoneError, SealedSnapshotError
+from closedloop.envs.errors import EpisodeDoneError, SealedSnapshotError
 from closedloop.evaluate.gates.base import MAX_LISTED, Gate, GateOptions, make_gate
 from closedloop.evaluate.rundir import RunDir, eval_summary, experiment_of, find_arms, load_run
 from closedloop.evaluate.stats import paired_bootstrap_ci
@@ -91,7 +91,7 @@ def _reset_once(task_id: str, seed: int) -> tuple[str, str] | str:
         ref = env.snapshot("base")
         check_reset(make_env, task_id, seed)
         return ref.snapshot_id, env.state_hash()
-    except (EnvError, EnvCheckError) as exc:
+    except ClosedloopError as exc:  # env, check, task-registry and snapshot errors
         return f"{type(exc).__name__}: {exc}"
 
 
@@ -103,8 +103,12 @@ def gate_restore_replay(run: RunDir, opts: GateOptions) -> Gate:
     replayed = reproduced = suffix_checked = suffix_ok = 0
     examples: list[str] = []
     for name, ep in sample:
-        result = replay_episode(ep, make_env(), verifier)
         replayed += 1
+        try:
+            result = replay_episode(ep, make_env(), verifier)
+        except ClosedloopError as exc:
+            examples.append(f"{name}: {ep.trajectory.episode_id}: {type(exc).__name__}: {exc}")
+            continue
         reproduced += result.ok
         if not result.ok:
             examples.append(f"{name}: {ep.trajectory.episode_id}: {'; '.join(result.mismatches)}")
@@ -115,7 +119,7 @@ def gate_restore_replay(run: RunDir, opts: GateOptions) -> Gate:
             try:
                 replay_property(make_env, ep.trajectory.task_id, ep.trajectory.seed, actions)
                 suffix_ok += 1
-            except (EnvCheckError, EnvError) as exc:
+            except ClosedloopError as exc:
                 examples.append(f"{name}: {ep.trajectory.episode_id}: {exc}")
     evidence = {"episodes_replayed": replayed, "reproduced": reproduced,
                 "suffix_replays": suffix_checked, "suffix_reproduced": suffix_ok,
@@ -169,10 +173,13 @@ def gate_fork_isolation(run: RunDir, opts: GateOptions) -> Gate:
         r = check_env(make_env, chosen, seeds[:1], n_random_sequences=1, sequence_length=6,
                       rng_seed=opts.seed)
         report = dict(r.__dict__)
-    except (EnvCheckError, EnvError) as exc:
+    except ClosedloopError as exc:
         problems.append(f"check_env: {type(exc).__name__}: {exc}")
     for task in chosen:
-        problems += _seal_problems(task, seeds[0])
+        try:
+            problems += _seal_problems(task, seeds[0])
+        except ClosedloopError as exc:
+            problems.append(f"seal check on {task}: {type(exc).__name__}: {exc}")
     evidence = {"tasks": chosen, "seed": seeds[0], **report, "seal_checks": len(chosen)}
     return make_gate("fork_isolation_and_seal", problems, evidence,
                      f"{report.get('fork_checks', 0)} fork checks and {len(chosen)} seal checks "
@@ -231,6 +238,7 @@ def gate_episode_sum(run: RunDir, opts: GateOptions) -> Gate:
     if power < 1e-3:
         problems.append("a shifted mask leaves the gradient unchanged: the check has no power")
     label = ("the run trains on it" if reducer == "episode_sum"
+             else "the run's reducer is not recorded" if reducer is None
              else f"the run's reducer {reducer!r} is a different, labeled surrogate")
     return make_gate("episode_sum_score_function", problems, evidence,
                      f"episode_sum = score function (|Δ| {err:.1e}); {label}")

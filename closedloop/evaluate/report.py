@@ -32,8 +32,16 @@ from closedloop.evaluate.plots import (
     plot_termination,
     plot_training,
 )
-from closedloop.evaluate.rundir import RunDir, eval_summary, experiment_of, find_arms, load_run
-from closedloop.evaluate.stats import paired_bootstrap_ci, wilson_interval
+from closedloop.evaluate.retain import retain_delta, summarize_suites
+from closedloop.evaluate.rundir import (
+    RunDir,
+    arm_evaluation,
+    eval_summary,
+    experiment_of,
+    find_arms,
+    load_run,
+)
+from closedloop.evaluate.stats import StatsInputError, paired_bootstrap_ci, wilson_interval
 
 __all__ = ["REPORT_SCHEMA", "build_report", "capability_claim", "render_html", "write_report"]
 
@@ -70,22 +78,37 @@ def _paired(a: EvalSummary | None, b: EvalSummary | None, seed: int,
 
 
 def _arms(run: RunDir, seed: int) -> dict[str, Any]:
+    """Each arm's held-out result (final, or start for the never-updated frozen arm) and its
+    paired difference from the frozen arm."""
     exp = experiment_of(run.path)
     if exp is None:
         return {}
-    arms = {name: load_run(path) for name, path in find_arms(exp).items()}
-    finals = {name: eval_summary(arm, "final") for name, arm in arms.items()}
-    frozen = next((n for n in sorted(arms) if "frozen" in n.lower()), None)
+    results = {name: arm_evaluation(load_run(path)) for name, path in find_arms(exp).items()}
+    frozen = next((n for n in sorted(results) if "frozen" in n.lower()), None)
     out: dict[str, Any] = {}
-    for name, arm in sorted(arms.items()):
-        row: dict[str, Any] = {"path": str(arm.path),
-                               "start": _heldout(eval_summary(arm, "start")),
-                               "final": _heldout(finals[name])}
+    for name, (label, summary) in sorted(results.items()):
+        row: dict[str, Any] = {"path": str(find_arms(exp)[name]), "evaluation": label,
+                               "result": _heldout(summary)}
         if frozen is not None and name != frozen:
-            row["vs_frozen"] = _paired(finals[name], finals[frozen], seed,
-                                       f"{name} final - {frozen} final")
+            f_label, f_summary = results[frozen]
+            row["vs_frozen"] = _paired(summary, f_summary, seed,
+                                       f"{name} {label} - {frozen} {f_label}")
         out[name] = row
     return out
+
+
+def _retain(run: RunDir, seed: int) -> dict[str, Any]:
+    """Per-suite retain delta (final - start) from the ``eval-retain-*`` traces."""
+    traces = [run.eval_trace(f"retain-{label}") for label in ("start", "final")]
+    if any(t is None or not t.episodes for t in traces):
+        return {"measured": False, "detail": "no retain-suite evaluation at start and final"}
+    start, final = (summarize_suites(list(t.episodes), k=1, seed=seed)
+                    for t in traces if t is not None)
+    try:
+        delta = retain_delta(start, final, seed=seed)
+    except StatsInputError as exc:
+        return {"measured": False, "detail": str(exc)}
+    return {"measured": True, **delta.to_dict()}
 
 
 def capability_claim(gates: GateReport, comparison: Mapping[str, Any]) -> dict[str, Any]:
@@ -220,9 +243,9 @@ def build_report(run_dir: str | Path, gates: GateReport | None = None,
     arms = _arms(run, seed)
     frozen = next((a for n, a in sorted(arms.items()) if "frozen" in n.lower()), None)
     comparison = _paired(final, start, seed, "final - start")
-    if frozen is not None and frozen.get("final") is not None:
-        frozen_summary = eval_summary(load_run(frozen["path"]), "final")
-        comparison = _paired(final, frozen_summary, seed, "RL final - frozen final")
+    if frozen is not None and frozen["result"] is not None:
+        label, frozen_summary = arm_evaluation(load_run(frozen["path"]))
+        comparison = _paired(final, frozen_summary, seed, f"RL final - frozen {label}")
     report = {
         "schema": REPORT_SCHEMA,
         "run": {"path": str(run.path), "model": run.config.get("model"), **run.config_meta},
@@ -231,8 +254,7 @@ def build_report(run_dir: str | Path, gates: GateReport | None = None,
         "heldout": {"start": _heldout(start), "final": _heldout(final),
                     "final_minus_start": _paired(final, start, seed, "final - start")},
         "arms": arms,
-        "retain_suites": {"measured": False,
-                          "detail": "no retain-suite evaluation in the run directory"},
+        "retain_suites": _retain(run, seed),
         "verifier": _verifier(gates),
         "termination": _termination(run),
         "training": _training(run),
@@ -312,7 +334,7 @@ def _gates_html(gates: Mapping[str, Any]) -> str:
 
 def _heldout_html(report: Mapping[str, Any]) -> str:
     cols = [("start", report["heldout"]["start"]), ("final", report["heldout"]["final"])]
-    cols += [(f"{n} final", a["final"]) for n, a in report["arms"].items()]
+    cols += [(f"{n} {a['evaluation']}", a["result"]) for n, a in report["arms"].items()]
     keys = ("pass_at_1", "pass_at_1_ci", "pass_hat_k", "pass_at_k", "k", "invalid_action_rate",
             "mean_tool_calls", "mean_action_tokens", "mean_latency_s", "side_effect_rate",
             "tasks_scored", "episodes", "policy_version")
@@ -365,6 +387,16 @@ def _verifier_html(v: Mapping[str, Any] | None) -> str:
         f"<p>{_fmt(v['verifier_version'])}; gate {_fmt(v['status'])}.</p>"
 
 
+def _retain_html(retain: Mapping[str, Any]) -> str:
+    if not retain.get("measured"):
+        return f"<p>Retain suites: {_fmt(retain.get('detail'))}.</p>"
+    rows = [[name, s["before"], s["after"], s["delta"], [s["ci_lo"], s["ci_hi"]]
+             if s["ci_lo"] is not None else None, s["n_paired"], s["significant_regression"]]
+            for name, s in retain["suites"].items()]
+    return _table(["suite", "start", "final", "delta", "95% CI", "tasks",
+                   "significant regression"], rows, "retain-table")
+
+
 def render_html(report: Mapping[str, Any]) -> str:
     """The self-contained HTML page of a report dict (plots embedded as data URIs)."""
     claim = report["claim"]
@@ -385,7 +417,7 @@ def render_html(report: Mapping[str, Any]) -> str:
         f"{html.escape(claim['statement'])}</p>",
         "<h2>Go/no-go gates</h2>", _gates_html(report["gates"]),
         "<h2>Held-out evaluation</h2>", _heldout_html(report),
-        f"<p>Retain suites: {_fmt(report['retain_suites']['detail'])}.</p>",
+        "<h2>Retain suites</h2>", _retain_html(report["retain_suites"]),
         "<h2>Verifier audit</h2>", _verifier_html(report["verifier"]),
         "<h2>Termination distribution</h2>",
         _table(["phase", "counts"], [[p, d] for p, d in term.items()]),

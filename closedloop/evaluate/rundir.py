@@ -36,7 +36,8 @@ from closedloop.evaluate.heldout import EvalSummary, summarize_eval
 from closedloop.policy.registry import PolicyRegistry
 from closedloop.rollout.ledger import Ledger
 
-__all__ = ["RunDir", "RunDirError", "TraceFile", "TraceLine", "eval_summary", "experiment_of",
+__all__ = ["RunDir", "RunDirError", "TraceFile", "TraceLine", "arm_evaluation", "eval_summary",
+           "experiment_of",
            "find_arms", "load_run", "read_trace_file"]
 
 TraceKind = Literal["demo", "step", "eval", "other"]
@@ -253,13 +254,20 @@ def load_run(path: str | Path) -> RunDir:
 def find_arms(path: str | Path) -> dict[str, Path]:
     """The arms of an experiment directory (name -> run directory); empty for a plain run.
 
-    ``experiment.json`` ``{"arms": {name: path}}`` (paths relative to the directory) wins;
-    otherwise every sub-folder of ``arms/`` that holds a ``config.json`` or ``traces/``.
+    ``experiment.json`` (``closedloop.experiment``: ``{"arms": {name: {"run_dir": path}}}``, or
+    ``{name: path}``; relative paths are taken from the directory) wins when its arm folders
+    exist; otherwise every sub-folder of ``arms/`` that holds a ``config.json`` or ``traces/``.
     """
     root = Path(path)
     spec = _json_or_none(root / "experiment.json")
+    listed: dict[str, Path] = {}
     if isinstance(spec, dict) and isinstance(spec.get("arms"), dict):
-        return {str(name): (root / str(rel)).resolve() for name, rel in spec["arms"].items()}
+        for name, entry in spec["arms"].items():
+            where = entry.get("run_dir") if isinstance(entry, dict) else entry
+            if isinstance(where, str) and (root / where).is_dir():
+                listed[str(name)] = (root / where).resolve()
+    if listed:
+        return listed
     arms_dir = root / "arms"
     if not arms_dir.is_dir():
         return {}
@@ -276,6 +284,14 @@ def experiment_of(run_path: str | Path) -> Path | None:
         if any(arm.resolve() == p for arm in find_arms(candidate).values()):
             return candidate
     return None
+
+
+def arm_evaluation(run: RunDir) -> tuple[str, EvalSummary | None]:
+    """An arm's held-out result: its ``final`` evaluation, else its ``start`` one (the frozen
+    arm of ``closedloop.experiment`` is never updated, so its result is the start evaluation).
+    Returns (label used, summary)."""
+    final = eval_summary(run, "final")
+    return ("final", final) if final is not None else ("start", eval_summary(run, "start"))
 
 
 def eval_summary(run: RunDir, label: str) -> EvalSummary | None:

@@ -329,17 +329,33 @@ def half_success(task: str, key: str) -> bool:
     return key.endswith("s11/0")
 
 
+def audit_record(run: Path, abs_max: float = 1e-5, abs_p95: float = 1e-6,
+                 k3: float = 1e-11) -> dict[str, Any]:
+    """An ``audit.json`` as ``TrainingRun.audit_frozen`` writes it, for the run's v0000."""
+    checksum = PolicyRegistry(run / "registry").manifest("v0000").weight_checksum
+    return {"label": "start", "version": "v0000", "n_episodes": 8, "n_tokens": 240,
+            "signed_mean": 0.0, "abs_p95": abs_p95, "abs_max": abs_max, "k3": k3,
+            "log_ppl_diff": 0.0, "tolerance_max": 1e-3, "tolerance_p95": 1e-4,
+            "passed": abs_max <= 1e-3 and abs_p95 <= 1e-4, "weight_checksum": checksum,
+            "trainer_dtype": "float32"}
+
+
 def build_experiment(root: Path, shuffled_gain: bool = False) -> Path:
-    """arms/rloo (a copy of the clean run, with a consistency audit within tolerance),
-    arms/frozen (no change) and arms/shuffled (no change, or a gain on every task)."""
+    """The layout of ``closedloop.experiment``: experiment.json and arms/{frozen, rloo,
+    shuffled, sft_only}. rloo is a copy of the clean run with a passing consistency audit;
+    frozen has only its start evaluation (it is never updated); shuffled and sft_only change
+    nothing (or, with ``shuffled_gain``, the shuffled arm gains on every task)."""
     arms = root / "arms"
     arms.mkdir(parents=True)
     copy_run(arms / "rloo")
-    _json(arms / "rloo" / "audit.json", {"abs_dlogp_p95": 1e-6, "abs_dlogp_max": 1e-5,
-                                         "k3_mean": 1e-11, "checkpoint": "v0000"})
+    _json(arms / "rloo" / "audit.json", audit_record(arms / "rloo"))
     build_eval_run(arms / "frozen", half_success, half_success)
+    (arms / "frozen" / "traces" / "eval-final.jsonl").unlink()
     build_eval_run(arms / "shuffled", (lambda t, k: False) if shuffled_gain else half_success,
                    (lambda t, k: True) if shuffled_gain else half_success)
+    build_eval_run(arms / "sft_only", half_success, half_success)
+    _json(root / "experiment.json", {"arms": {name: {"run_dir": str(arms / name)} for name in
+                                              ("frozen", "rloo", "shuffled", "sft_only")}})
     return root
 
 

@@ -36,6 +36,7 @@ from closedloop.verify import graders
 from closedloop.verify.fixtures import default_fixture_task_ids
 from tests.evaluate.synthetic_run import (
     Spec,
+    audit_record,
     build_experiment,
     build_run,
     clean_gates,
@@ -322,16 +323,19 @@ def test_policy_roles_gate(tmp_path: Path, defect: str) -> None:
     assert gate(run, "policy_roles_unambiguous").passed is False
 
 
-@pytest.mark.parametrize(("audit", "passed"), [
-    ({"abs_dlogp_p95": 2e-5, "abs_dlogp_max": 4e-4, "k3_mean": 1e-9}, True),
-    ({"abs_dlogp_p95": 2e-5, "abs_dlogp_max": 0.3, "k3_mean": 1e-9}, False),
-    ({"abs_dlogp_p95": 2e-5, "abs_dlogp_max": 4e-4}, False),  # k3 missing: not a pass
+@pytest.mark.parametrize(("change", "passed"), [
+    ({}, True),
+    ({"abs_max": 0.3}, False),
+    ({"abs_p95": 5e-4}, False),  # above tolerance_p95 = 1e-4
+    ({"k3": 0.01}, False),
+    ({"weight_checksum": "sha256:" + "2" * 64}, False),  # audited other weights
+    ({"n_tokens": 0}, False),
 ])
-def test_train_inference_mismatch_from_audit(tmp_path: Path, audit: dict[str, float],
+def test_train_inference_mismatch_from_audit(tmp_path: Path, change: dict[str, Any],
                                              passed: bool) -> None:
     run = copy_run(tmp_path / "run")
     assert gate(run, "train_inference_mismatch").passed is None
-    _write(run / "audit.json", audit)
+    _write(run / "audit.json", {**audit_record(run), **change})
     assert gate(run, "train_inference_mismatch").passed is passed
 
 
@@ -469,7 +473,7 @@ def test_shuffled_control_with_stable_gain_fails(tmp_path: Path) -> None:
     exp = build_experiment(tmp_path / "exp", shuffled_gain=True)
     g = gate(exp, "shuffled_reward_control")
     assert g.passed is False and g.evidence["ci"][0] > 0
-    assert g.evidence["baseline"] == "frozen final"
+    assert g.evidence["baseline"] == "frozen start"
 
 
 def test_experiment_with_every_gate_passing() -> None:

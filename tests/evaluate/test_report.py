@@ -119,11 +119,14 @@ def test_experiment_report_states_gain_only_with_all_gates_and_ci(
         experiment_report: tuple[Path, Path]) -> None:
     data = json.loads(experiment_report[1].read_text())
     assert data["gates"]["all_passed"] is True
-    assert set(data["arms"]) == {"frozen", "rloo", "shuffled"}
-    assert data["arms"]["shuffled"]["vs_frozen"]["estimate"] == 0.0
-    assert data["arms"]["rloo"]["vs_frozen"]["ci"] == [0.5, 0.5]
+    arms = data["arms"]
+    assert set(arms) == {"frozen", "rloo", "shuffled", "sft_only"}
+    assert arms["frozen"]["evaluation"] == "start" and "vs_frozen" not in arms["frozen"]
+    assert arms["shuffled"]["vs_frozen"]["estimate"] == 0.0
+    assert arms["sft_only"]["vs_frozen"]["ci"] == [0.0, 0.0]
+    assert arms["rloo"]["vs_frozen"]["ci"] == [0.5, 0.5]
     claim = data["claim"]
-    assert claim["gain"] is True and claim["comparison"] == "RL final - frozen final"
+    assert claim["gain"] is True and claim["comparison"] == "RL final - frozen start"
     assert "+0.500" in claim["statement"]
 
 
@@ -142,7 +145,8 @@ def test_report_html_is_self_contained_and_renders_in_chromium(
     assert not re.search(r'(src|href)="(https?:|//)', text)  # nothing fetched from outside
     table = text[text.index('id="gates-table"'):].split("</table>")[0]
     assert table.count("<tr>") == 21 and table.count(">PASS<") == 19  # 20 gates, one N/A
-    assert "Capability gain" in text and "rloo final" in text and "shuffled final" in text
+    for column in ("rloo final", "shuffled final", "sft_only final", "frozen start"):
+        assert f"<th>{column}</th>" in text
     chromium = shutil.which("chromium")
     if chromium is None:
         if _in_ci():

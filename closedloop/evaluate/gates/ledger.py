@@ -306,43 +306,51 @@ def gate_policy_roles(run: RunDir, opts: GateOptions) -> Gate:
                      measured=bool(run.config), why_not="no config.json")
 
 
-AUDIT_KEYS = ("abs_dlogp_p95", "abs_dlogp_max", "k3_mean")
-
-
-def _tolerances(run: RunDir) -> dict[str, float]:
+def _audit_gate(run: RunDir, audit: Mapping[str, Any]) -> Gate:
     tol = float(run.section("consistency").get("max_abs_tolerance", 1e-3))
-    given = (run.audit or {}).get("tolerance") or {}
-    return {"abs_dlogp_p95": float(given.get("abs_dlogp_p95", tol)),
-            "abs_dlogp_max": float(given.get("abs_dlogp_max", tol)),
-            "k3_mean": float(given.get("k3_mean", tol * tol / 2))}
+    tol_max = float(audit.get("tolerance_max", tol))
+    tol_p95 = float(audit.get("tolerance_p95", tol / 10))
+    bounds = {"abs_p95": tol_p95, "abs_max": tol_max, "k3": tol_max * tol_max / 2}
+    values = {k: audit.get(k) for k in bounds}
+    problems = [f"{k} = {v} > {bounds[k]:.3g}" if isinstance(v, int | float) else f"{k} missing"
+                for k, v in values.items()
+                if not isinstance(v, int | float) or not math.isfinite(v) or v > bounds[k]]
+    if not audit.get("n_tokens"):
+        problems.append("the audit covered no action token")
+    reg = run.registry()
+    version = str(audit.get("version"))
+    if reg is not None and version in reg.versions() and \
+            reg.manifest(version).weight_checksum != audit.get("weight_checksum"):
+        problems.append(f"the audited weights are not the registry's {version}")
+    evidence = {**values, "bounds": bounds, "n_tokens": audit.get("n_tokens"),
+                "version": audit.get("version"), "label": audit.get("label"),
+                "trainer_dtype": audit.get("trainer_dtype"), "source": "audit.json"}
+    ok = "" if problems else (f"at {version}: p95 |Δ| {values['abs_p95']:.2g}, max |Δ| "
+                              f"{values['abs_max']:.2g}, k3 {values['k3']:.2g} within bounds")
+    return make_gate("train_inference_mismatch", problems, evidence, ok)
 
 
 def gate_train_inference_mismatch(run: RunDir, opts: GateOptions) -> Gate:
     """Generator/trainer p95 and max |Δlogp| and k3 at a frozen checkpoint within tolerance.
 
-    Reads ``audit.json`` (keys ``abs_dlogp_p95``, ``abs_dlogp_max``, ``k3_mean``, optional
-    ``tolerance`` with the same keys; default tolerance ``consistency.max_abs_tolerance`` for
-    |Δlogp| and its square / 2 for k3). Without it the gate is not measured, unless the step
-    metrics already show a violation (``log ratio_max`` above the max tolerance): then it fails.
+    Reads ``audit.json`` (``TrainingRun.audit_frozen``: ``closedloop.learn.audit.AuditResult``
+    plus ``label`` and ``version``): ``abs_p95 <= tolerance_p95``, ``abs_max <= tolerance_max``,
+    ``k3 <= tolerance_max² / 2`` (k3 ≈ δ²/2, so the max bound implies it), at least one token,
+    and the audited weight checksum must be the registry's for that version. Without the file
+    the gate is not measured, unless the step metrics already show a violation (``|log
+    ratio_max|`` at step start above the max tolerance): then it fails.
     """
-    tol = _tolerances(run)
     if run.audit is not None:
-        values = {k: run.audit.get(k) for k in AUDIT_KEYS}
-        bad = [f"{k}={v} > {tol[k]}" for k, v in values.items()
-               if not isinstance(v, int | float) or not math.isfinite(v) or v > tol[k]]
-        evidence = {**values, "tolerance": tol, "checkpoint": run.audit.get("checkpoint"),
-                    "n_tokens": run.audit.get("n_tokens"), "source": "audit.json"}
-        return make_gate("train_inference_mismatch", bad, evidence,
-                         f"p95 {values['abs_dlogp_p95']}, max {values['abs_dlogp_max']}, "
-                         f"k3 {values['k3_mean']} within {tol}")
+        return _audit_gate(run, run.audit)
+    tol = {"abs_max": float(run.section("consistency").get("max_abs_tolerance", 1e-3))}
     ratio_max = [m["metrics"].get("ratio/ratio_max") for m in run.metrics_of("rl_step")
                  if m.get("metrics")]
     seen = [float(r) for r in ratio_max if isinstance(r, int | float) and r > 0]
     worst = max((abs(math.log(r)) for r in seen), default=None)
     evidence = {"source": "metrics.jsonl ratio/ratio_max (partial)", "steps": len(seen),
                 "max_abs_log_ratio_max": worst, "tolerance": tol}
-    if worst is not None and worst > tol["abs_dlogp_max"]:
+    if worst is not None and worst > tol["abs_max"]:
         return Gate("train_inference_mismatch", False, evidence,
-                    f"at step start |log ratio_max| = {worst:.3g} > {tol['abs_dlogp_max']}")
+                    f"at step start |log ratio_max| = {worst:.3g} > {tol['abs_max']}")
     return Gate("train_inference_mismatch", None, evidence,
                 "no audit.json: p95/max |Δlogp| and k3 at a frozen checkpoint not measured")

@@ -21,7 +21,14 @@ from closedloop.contracts import Action, ClosedloopError, Episode
 from closedloop.envs.check import check_env, check_reset, replay_property
 from closedloop.envs.errors import EpisodeDoneError, SealedSnapshotError
 from closedloop.evaluate.gates.base import MAX_LISTED, Gate, GateOptions, make_gate
-from closedloop.evaluate.rundir import RunDir, eval_summary, experiment_of, find_arms, load_run
+from closedloop.evaluate.rundir import (
+    RunDir,
+    arm_evaluation,
+    eval_summary,
+    experiment_of,
+    find_arms,
+    load_run,
+)
 from closedloop.evaluate.stats import paired_bootstrap_ci
 from closedloop.learn import objectives
 from closedloop.rollout.replay import replay_episode
@@ -329,15 +336,16 @@ def gate_verifier_fp_fn(run: RunDir, opts: GateOptions) -> Gate:
 
 
 # --------------------------------------------------------------------------- controls
-def _arm_success(path: Any, label: str) -> dict[str, float] | None:
-    summary = eval_summary(load_run(path), label)
-    return None if summary is None else summary.per_task_success()
+def _arm_success(path: Any, label: str | None = None) -> tuple[str, dict[str, float] | None]:
+    run = load_run(path)
+    used, summary = arm_evaluation(run) if label is None else (label, eval_summary(run, label))
+    return used, None if summary is None else summary.per_task_success()
 
 
 def gate_shuffled_control(run: RunDir, opts: GateOptions) -> Gate:
     """The shuffled-reward arm shows no stable held-out gain: the paired bootstrap interval of
-    (shuffled final - baseline) by task must not lie above 0. Baseline: the frozen arm's final
-    evaluation, else the shuffled arm's own start evaluation."""
+    (shuffled final - baseline) by task must not lie above 0. Baseline: the frozen arm's
+    evaluation (its final one, else its start one), else the shuffled arm's own start."""
     exp = experiment_of(run.path)
     arms = find_arms(exp) if exp is not None else {}
     shuffled = next((p for n, p in sorted(arms.items()) if "shuffl" in n.lower()), None)
@@ -345,9 +353,9 @@ def gate_shuffled_control(run: RunDir, opts: GateOptions) -> Gate:
         return Gate("shuffled_reward_control", None, {"arms": sorted(arms)},
                     "not measured: no experiment with a shuffled-reward arm")
     frozen = next((p for n, p in sorted(arms.items()) if "frozen" in n.lower()), None)
-    treated = _arm_success(shuffled, "final")
-    base = _arm_success(frozen, "final") if frozen is not None else _arm_success(shuffled,
-                                                                                  "start")
+    _, treated = _arm_success(shuffled, "final")
+    used, base = _arm_success(frozen) if frozen is not None else _arm_success(shuffled, "start")
+    baseline = f"frozen {used}" if frozen is not None else "shuffled start"
     if treated is None or base is None:
         return Gate("shuffled_reward_control", None, {"arms": sorted(arms)},
                     "not measured: the shuffled arm or its baseline has no scored evaluation")
@@ -357,7 +365,7 @@ def gate_shuffled_control(run: RunDir, opts: GateOptions) -> Gate:
                     "not measured: fewer than 2 tasks scored in both arms")
     ci = paired_bootstrap_ci({k: treated[k] for k in common}, {k: base[k] for k in common},
                              n_boot=opts.bootstrap, seed=opts.seed)
-    evidence = {"baseline": "frozen final" if frozen is not None else "shuffled start",
+    evidence = {"baseline": baseline,
                 "tasks": len(common), "estimate": ci.estimate, "ci": [ci.lo, ci.hi],
                 "experiment": str(exp)}
     problems = [f"shuffled rewards gained {ci.estimate:+.3f} [{ci.lo:+.3f}, {ci.hi:+.3f}] over "

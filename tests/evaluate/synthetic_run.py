@@ -28,7 +28,6 @@ from closedloop.contracts import (
     PolicyManifest,
     SamplerConfig,
     TraceWriter,
-    content_hash,
     sha256_hex,
 )
 from closedloop.envs.scripted import ExpertPolicy
@@ -252,11 +251,11 @@ def _admit(ledger: Ledger, groups: list[CollectedGroup], step: int) -> list[Coll
 
 
 def _demos(root: Path, train: list[str]) -> None:
-    w = sha256_hex("pre-sft weights")
+    # as TrainingRun.manifest_for(demo=True): the scaffold, with the script as identity
     data = template().to_dict()
-    data.update(weight_checksum=w, base_weight_checksum=w, adapter_checksum=None)
+    data.update(policy_version="scripted-noisy-expert", weight_checksum=sha256_hex("script"),
+                base_weight_checksum=None, adapter_checksum=None)
     manifest = PolicyManifest.from_dict(data)
-    assert content_hash(manifest.to_dict()) == manifest.manifest_hash()
     source = ScriptedSource(lambda task, key: ExpertPolicy(get_bundle(task)),
                             lambda text: [b % 200 + 300 for b in text.encode()[:12]])
     _collect(root, "sft-demos", source, manifest,

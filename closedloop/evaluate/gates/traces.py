@@ -204,12 +204,20 @@ def _manifests(run: RunDir) -> dict[str, PolicyManifest]:
 
 
 def _demo_manifest_ok(template: PolicyManifest, raw: Mapping[str, Any]) -> bool:
-    """A scripted demonstration's manifest: the run's scaffold with the recorded weights."""
+    """A scripted demonstration's manifest: the run's scaffold with the recorded identity.
+
+    The record carries the version and weight checksum; the base/adapter checksums of a
+    script are not recorded, so the two completions a demonstrator uses are tried (no base,
+    or base = the recorded checksum; no adapter).
+    """
     data = template.to_dict()
     w = raw.get("behavior_weight_checksum")
-    data.update(policy_version=raw.get("behavior_policy_version"), weight_checksum=w,
-                base_weight_checksum=w, adapter_checksum=None)
-    return content_hash(data) == raw.get("policy_manifest_hash")
+    for base in (None, w):
+        data.update(policy_version=raw.get("behavior_policy_version"), weight_checksum=w,
+                    base_weight_checksum=base, adapter_checksum=None)
+        if content_hash(data) == raw.get("policy_manifest_hash"):
+            return True
+    return False
 
 
 def gate_scaffold_drift(run: RunDir, opts: GateOptions) -> Gate:

@@ -310,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("report", help="write report.html and report.json for a run")
     rp.add_argument("run_dir")
     rp.set_defaults(fn=cmd_report)
-    for sp in (t, pl, r, co, tr, sm, ga, rp):
+    for sp in (t, pl, r, co, tr, ex, sm, ga, rp):
         sp.add_argument("--json", action="store_true", help="machine-readable output")
     return p
 

@@ -35,7 +35,7 @@ from closedloop.contracts import (
 )
 from closedloop.contracts.records import ActionKindOrInvalid
 from closedloop.envs.protocol import AgentEnv
-from closedloop.rollout.source import ActionSample, ActionSource
+from closedloop.rollout.source import ActionSample, ActionSource, ContextBudgetExceeded
 
 
 class Renderer(Protocol):
@@ -223,6 +223,14 @@ class Collector:
         t0 = time.perf_counter()
         try:
             samples = self.source.act([ep.key for ep in live])
+        except ContextBudgetExceeded as exc:
+            for ep in live:
+                if ep.key in exc.keys:
+                    ep.termination = Termination.MAX_TOKEN_TRUNCATION
+            rest = [ep for ep in live if ep.termination is None]
+            if rest and len(rest) < len(live):
+                self._step_all(rest)
+            return
         except Exception:
             traceback.print_exc()
             for ep in live:

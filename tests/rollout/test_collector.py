@@ -115,3 +115,21 @@ def test_tiny_model_episodes_are_censored_not_zero(tmp_path, tokenizer, renderer
                 for e in g.episodes}
         assert len(keys) == 1
     load_episodes(trace)
+
+
+def test_context_window_overflow_is_censored_not_cut(tokenizer, renderer):
+    model = build_tiny_model(tokenizer, seed=0)
+    checksum = weights_checksum(model)
+    sampler = SamplerConfig()
+    manifest = manifest_for(renderer, checksum, max_action_tokens=4, sampler=sampler)
+    # the rendered prompt alone (~500 tokens) does not fit a 100-token window
+    gen = HFGenerator(model, tokenizer, weight_checksum=checksum, seed=0, max_context=100)
+    source = GeneratorSource(gen, renderer.action_text, sampler, 4, "hf-test")
+    collector = make_collector(source, manifest,
+                               CollectorParts(renderer, Verifier(), "run-c", None, 8))
+    task = list_tasks(split="train")[0]
+    (group,) = collector.collect([collector.make_lease("g0", task, 11, 2)])
+    for ep in group.episodes:
+        assert ep.trajectory.termination == Termination.MAX_TOKEN_TRUNCATION
+        assert ep.trajectory.reward is None
+        assert ep.turns == ()  # ended before any action: never generated from a cut context

@@ -255,8 +255,10 @@ def find_arms(path: str | Path) -> dict[str, Path]:
     """The arms of an experiment directory (name -> run directory); empty for a plain run.
 
     ``experiment.json`` (``closedloop.experiment``: ``{"arms": {name: {"run_dir": path}}}``, or
-    ``{name: path}``; relative paths are taken from the directory) wins when its arm folders
-    exist; otherwise every sub-folder of ``arms/`` that holds a ``config.json`` or ``traces/``.
+    ``{name: path}``) names the arms; each is ``arms/<name>`` inside the directory when that
+    folder exists (so a moved or copied experiment reads its own arms), else the recorded path
+    (relative to the directory). Without it: every sub-folder of ``arms/`` that holds a
+    ``config.json`` or ``traces/``.
     """
     root = Path(path)
     spec = _json_or_none(root / "experiment.json")
@@ -264,7 +266,10 @@ def find_arms(path: str | Path) -> dict[str, Path]:
     if isinstance(spec, dict) and isinstance(spec.get("arms"), dict):
         for name, entry in spec["arms"].items():
             where = entry.get("run_dir") if isinstance(entry, dict) else entry
-            if isinstance(where, str) and (root / where).is_dir():
+            local = root / "arms" / str(name)
+            if local.is_dir():
+                listed[str(name)] = local.resolve()
+            elif isinstance(where, str) and (root / where).is_dir():
                 listed[str(name)] = (root / where).resolve()
     if listed:
         return listed

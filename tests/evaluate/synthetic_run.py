@@ -339,19 +339,18 @@ def audit_record(run: Path, abs_max: float = 1e-5, abs_p95: float = 1e-6,
             "trainer_dtype": "float32"}
 
 
-def build_experiment(root: Path, shuffled_gain: bool = False) -> Path:
+def build_experiment(root: Path) -> Path:
     """The layout of ``closedloop.experiment``: experiment.json and arms/{frozen, rloo,
     shuffled, sft_only}. rloo is a copy of the clean run with a passing consistency audit;
     frozen has only its start evaluation (it is never updated); shuffled and sft_only change
-    nothing (or, with ``shuffled_gain``, the shuffled arm gains on every task)."""
+    nothing."""
     arms = root / "arms"
     arms.mkdir(parents=True)
     copy_run(arms / "rloo")
     _json(arms / "rloo" / "audit.json", audit_record(arms / "rloo"))
     build_eval_run(arms / "frozen", half_success, half_success)
     (arms / "frozen" / "traces" / "eval-final.jsonl").unlink()
-    build_eval_run(arms / "shuffled", (lambda t, k: False) if shuffled_gain else half_success,
-                   (lambda t, k: True) if shuffled_gain else half_success)
+    build_eval_run(arms / "shuffled", half_success, half_success)
     build_eval_run(arms / "sft_only", half_success, half_success)
     _json(root / "experiment.json", {"arms": {name: {"run_dir": str(arms / name)} for name in
                                               ("frozen", "rloo", "shuffled", "sft_only")}})

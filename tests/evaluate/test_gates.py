@@ -37,8 +37,9 @@ from closedloop.verify.fixtures import default_fixture_task_ids
 from tests.evaluate.synthetic_run import (
     Spec,
     audit_record,
-    build_experiment,
+    build_eval_run,
     build_run,
+    clean_experiment,
     clean_gates,
     clean_run,
     copy_run,
@@ -470,7 +471,11 @@ def test_verifier_gate_fails_with_a_lenient_grader(monkeypatch: pytest.MonkeyPat
 
 # --------------------------------------------------------------------------- experiment
 def test_shuffled_control_with_stable_gain_fails(tmp_path: Path) -> None:
-    exp = build_experiment(tmp_path / "exp", shuffled_gain=True)
+    import shutil
+
+    exp = Path(shutil.copytree(clean_experiment(), tmp_path / "exp"))
+    shutil.rmtree(exp / "arms" / "shuffled")  # a null arm that gains on every task
+    build_eval_run(exp / "arms" / "shuffled", lambda t, k: False, lambda t, k: True)
     g = gate(exp, "shuffled_reward_control")
     assert g.passed is False and g.evidence["ci"][0] > 0
     assert g.evidence["baseline"] == "frozen start"

@@ -235,6 +235,8 @@ def _run_training(cfg: Any, args: argparse.Namespace) -> int:
         cfg = cfg.with_overrides(model=args.model)
     run_dir = Path(args.run_dir or Path(cfg.run_dir) / time.strftime("run-%Y%m%d-%H%M%S"))
     summary = train(cfg, run_dir)
+    report = _write_report(run_dir)
+    summary["report"] = str(report) if report else None
     text = "\n".join(f"{k}: {v}" for k, v in summary.items() if k != "seconds_by_step")
     _print(summary, args.json, "\n== summary ==\n" + text)
     return 0

@@ -1,4 +1,9 @@
-"""Evaluation: statistics for held-out reports (pass@k, pass^k, Wilson and bootstrap intervals)."""
+"""Evaluation: statistics (pass@k, pass^k, Wilson and bootstrap intervals), held-out and
+retain evaluation summaries, the go/no-go gates and the core report.
+
+Importing this package imports only the statistics; the rest is imported from its modules
+(``closedloop.evaluate.gates``, ``closedloop.evaluate.report``, ...), which load torch.
+"""
 
 from closedloop.evaluate.stats import (
     BootstrapCI,

@@ -134,6 +134,8 @@ class TrainingSection:
     learning_rate: float = 1e-4
     lora_rank: int = 8
     lora_alpha: int = 16
+    lora_targets: list[str] = field(default_factory=lambda: [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     seed: int = 0
     dtype: Literal["float32"] = "float32"
 
@@ -257,9 +259,15 @@ def smoke_config() -> RunConfig:
     """The smoke experiment's defaults: the seed's YAML, scaled to ~20 minutes on 2 CPU cores.
 
     Sizes are those of seed 000 §7 (48 train / 16 held-out tasks, 8 turns, G=8) except the
-    training budget (``training``, ``sft``), which the seed leaves open.
+    training budget (``training``, ``sft``), which the seed leaves open, and two declared
+    departures measured here: sampling at temperature 0.7 (the behaviour log-probs recorded are
+    those of the tempered distribution; at 1.0 the warm-started 135M model rambles past the
+    action budget in most episodes), and ``drop_censored`` (a group keeps its uncensored
+    members when at least two remain; censored ones are excluded, never scored 0).
     """
     return RunConfig(
-        training=TrainingSection(rl_steps=4, groups_per_step=2, learning_rate=2e-4),
-        sft=SFTSection(enabled=True, demonstrations=48, epochs=2, learning_rate=1e-3),
+        rollout=RolloutSection(temperature=0.7),
+        credit=CreditSection(censor_rule="drop_censored"),
+        training=TrainingSection(rl_steps=3, groups_per_step=2, learning_rate=2e-4),
+        sft=SFTSection(enabled=True, demonstrations=48, epochs=3, learning_rate=1e-3),
         run_dir="runs")

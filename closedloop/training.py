@@ -205,7 +205,8 @@ class TrainingRun:
         cfg = self.cfg.sft
         adapter_file = self.dir / "sft" / "adapter.pt"
         model = attach_lora(self.model, r=self.cfg.training.lora_rank,
-                            alpha=self.cfg.training.lora_alpha, seed=self.cfg.training.seed)
+                            alpha=self.cfg.training.lora_alpha, seed=self.cfg.training.seed,
+                            target_modules=tuple(self.cfg.training.lora_targets))
         if adapter_file.is_file():
             state = torch.load(adapter_file, weights_only=True)
             model.load_state_dict(state, strict=False)
@@ -259,7 +260,7 @@ class TrainingRun:
         """Wrap the (warm-started) base with a fresh LoRA adapter; build the trainer."""
         t = self.cfg.training
         self.model = attach_lora(self.model, r=t.lora_rank, alpha=t.lora_alpha,
-                                 seed=t.seed + 1)
+                                 seed=t.seed + 1, target_modules=tuple(t.lora_targets))
         u = self.cfg.update
         trainer_cfg = TrainerConfig(objective=u.objective, reducer=self.cfg.credit.reduction,
                                     learning_rate=t.learning_rate, kl_beta=u.kl_beta,

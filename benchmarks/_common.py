@@ -1,0 +1,60 @@
+"""Shared helpers of the benchmarks: the machine label, medians, the summary hand-off.
+
+Every benchmark prints ratios measured side by side in one process (modes alternated A, B, A,
+B, ...; medians reported) plus absolute figures labelled with the machine, since the shared host
+drifts between runs. ``--summary PATH`` makes a benchmark append its headline rows as JSON
+lines, which ``run_all.py`` collects into one table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+def machine_label() -> str:
+    """Platform, CPU count, torch threads and the load average when called."""
+    try:
+        import torch
+
+        threads = str(torch.get_num_threads())
+        torch_v = torch.__version__
+    except ImportError:  # pragma: no cover - the TRL venv always has torch
+        threads, torch_v = "?", "?"
+    load = "/".join(f"{x:.2f}" for x in os.getloadavg())
+    return (f"{platform.platform()}, python {platform.python_version()}, torch {torch_v}, "
+            f"{os.cpu_count()} cpus, torch threads {threads}, load avg at start {load}")
+
+
+def set_threads(threads: int) -> None:
+    """Set torch's intra-op threads (0 leaves the default)."""
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+
+
+def median(values: Sequence[float]) -> float:
+    """The median (of possibly one value)."""
+    return float(statistics.median(values))
+
+
+def rotate(modes: Sequence[Any], rep: int) -> list[Any]:
+    """The modes in rotated order for repeat ``rep`` (drift hits every mode alike)."""
+    k = rep % len(modes)
+    return list(modes[k:]) + list(modes[:k])
+
+
+def emit(summary: str | None, bench: str, name: str, value: float | str, unit: str = "",
+         target: str = "") -> None:
+    """Append one headline row to the summary file (if any)."""
+    if not summary:
+        return
+    row = {"bench": bench, "name": name, "value": value, "unit": unit, "target": target}
+    with Path(summary).open("a", encoding="utf-8") as fh:
+        fh.write(json.dumps(row) + "\n")

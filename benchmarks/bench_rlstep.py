@@ -1,0 +1,106 @@
+"""Benchmark (not a test): one RL step's wall time split into collect / verify / update / publish.
+
+Runs ``closedloop.training.TrainingRun`` on a tiny config (embedded model,
+``--groups`` groups of G=``--group`` per step, ``--max-turns`` turns, ``--action`` max action
+tokens, a ``--sft-demos`` x 1 epoch warm start so that some episodes end and get verified) in a
+temporary run directory: attach the RL adapter, publish v0000, then ``rl_step``
+``--steps`` times. Each step's ``seconds`` (collect_s, admit_s, update_s, publish_s) come from
+the step report (the metrics.jsonl ``rl_step`` line); verification runs inside collect, so
+``verify_s`` (and decode/env/bookkeeping) are summed from the step's trace timings.
+
+    .venv/bin/python benchmarks/bench_rlstep.py [--steps 1] [--group 4] [--groups 1]
+        [--sft-demos 16] [--max-turns 6] [--action 96] [--threads 1] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import emit, machine_label, set_threads
+
+from closedloop.config import RunConfig
+from closedloop.contracts import load_episodes
+from closedloop.policy.registry import version_name
+from closedloop.training import TrainingRun
+
+PARTS = ("collect_s", "admit_s", "update_s", "publish_s")
+TRACE_KEYS = ("decode_s", "env_s", "render_s", "bookkeeping_s", "reset_s", "verify_s")
+
+
+def tiny_config(args: argparse.Namespace) -> RunConfig:
+    base = RunConfig()
+    r = dataclasses.replace
+    return base.with_overrides(
+        environment=r(base.environment, train_tasks=8, heldout_tasks=4,
+                      max_turns=args.max_turns),
+        rollout=r(base.rollout, group_size=args.group, max_action_tokens=args.action),
+        training=r(base.training, rl_steps=args.steps, groups_per_step=args.groups),
+        sft=r(base.sft, enabled=args.sft_demos > 0, demonstrations=max(1, args.sft_demos),
+              epochs=1))
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=1)
+    ap.add_argument("--group", type=int, default=4)
+    ap.add_argument("--groups", type=int, default=1)
+    ap.add_argument("--max-turns", type=int, default=6)
+    ap.add_argument("--action", type=int, default=96)
+    ap.add_argument("--sft-demos", type=int, default=16,
+                    help="warm-start demonstrations (0: no SFT; the raw model then rarely ends "
+                    "an episode, every group is censored and the update is empty)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--summary")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.steps, args.group, args.max_turns, args.action, args.sft_demos = 1, 2, 2, 16, 0
+    set_threads(args.threads)
+    print(f"[rlstep] machine: {machine_label()}")
+    cfg = tiny_config(args)
+    out: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        run = TrainingRun(cfg, Path(tmp) / "bench-run")
+        try:
+            if cfg.sft.enabled:
+                run.warm_start()
+            run.attach_rl_adapter()
+            run.publish(version_name(0))
+            print(f"[rlstep] set-up (tasks, model, {args.sft_demos} SFT demos x 1 epoch, "
+                  f"adapter, publish v0000) "
+                  f"{time.perf_counter() - t0:.1f}s; {args.groups} group(s) x G={args.group}, "
+                  f"max {args.max_turns} turns, {args.action} max action tokens")
+            for step in range(args.steps):
+                t1 = time.perf_counter()
+                report = run.rl_step(step)
+                wall = time.perf_counter() - t1
+                _, eps = load_episodes(run.dir / "traces" / f"step-{step:04d}.jsonl")
+                tr = {k: sum(e.trajectory.timings.get(k, 0.0) for e in eps) for k in TRACE_KEYS}
+                turns = sum(len(e.turns) for e in eps)
+                secs = report.seconds
+                split = ", ".join(f"{k} {secs.get(k, 0.0):.2f}s "
+                                  f"({100 * secs.get(k, 0.0) / wall:.0f}%)" for k in PARTS)
+                print(f"[rlstep] step {step}: wall {wall:.2f}s = {split}; {len(eps)} episodes, "
+                      f"{turns} turns, {report.admitted}/{report.groups} groups admitted"
+                      + ("" if report.metrics else " (no trainable episodes: the update is "
+                         "empty)"))
+                print("[rlstep]   inside collect (trace timings): " + ", ".join(
+                    f"{k} {v:.2f}s" for k, v in tr.items()))
+                out = {**{k: secs.get(k, 0.0) for k in PARTS}, "verify_s": tr["verify_s"],
+                       "wall": wall}
+        finally:
+            run.close()
+    for k, v in out.items():
+        emit(args.summary, "rlstep", f"last step {k}", round(v, 2), "s")
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""TRL's side of ``bench_trl.py``: GRPO steps with ``trl.GRPOTrainer`` on the embedded model.
+
+Runs in ``.bench-venv`` (TRL is never a dependency of closedloop; this file imports nothing from
+closedloop). Loads the embedded model's safetensors cache folder as a plain HF folder, builds a
+GRPOTrainer (LoRA r=8/alpha 16 on q/k/v/o, beta 0.02 so the KL reference is the adapter-free
+base, 8 prompts x 4 generations x 32 completion tokens, one step per generation batch) and times
+each optimizer step with a callback. Prints one JSON line ``TRL_RESULT {...}``.
+
+    .bench-venv/bin/python benchmarks/trl_grpo_step.py MODEL_DIR PROMPTS_JSON [--steps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+
+def reward_parity(completions: list, **_: object) -> list[float]:
+    """The shared verifier-free reward: length of the completion text mod 2."""
+    out = []
+    for c in completions:
+        text = c if isinstance(c, str) else c[-1]["content"]
+        out.append(float(len(text) % 2))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model_dir")
+    ap.add_argument("prompts_json")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--completion", type=int, default=32)
+    ap.add_argument("--generations", type=int, default=4)
+    args = ap.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("WANDB_DISABLED", "true")
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.set_num_threads(args.threads)
+    with open(args.prompts_json, encoding="utf-8") as fh:
+        prompts = json.load(fh)
+    ds = Dataset.from_list([{"prompt": [{"role": "user", "content": p}]} for p in prompts])
+    tok = AutoTokenizer.from_pretrained(args.model_dir)
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
+    times: list[float] = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, *a: object, **k: object) -> None:
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *a: object, **k: object) -> None:
+            times.append(time.perf_counter() - self.t0)
+            print(f"[trl] step {len(times)}: {times[-1]:.2f}s", flush=True)
+
+    n = len(prompts) * args.generations
+    with tempfile.TemporaryDirectory() as out:
+        cfg = GRPOConfig(
+            output_dir=out, use_cpu=True, bf16=False, fp16=False,
+            per_device_train_batch_size=n, gradient_accumulation_steps=1,
+            num_generations=args.generations, steps_per_generation=1,
+            max_completion_length=args.completion, temperature=1.0, top_p=1.0,
+            beta=0.02, learning_rate=1e-4, max_steps=args.steps, num_iterations=1,
+            logging_steps=1000, save_strategy="no", report_to="none",
+            dataloader_num_workers=0, seed=0)
+        lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, bias="none",
+                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                          task_type="CAUSAL_LM")
+        t0 = time.perf_counter()
+        trainer = GRPOTrainer(model=model, reward_funcs=reward_parity, args=cfg,
+                              train_dataset=ds, processing_class=tok, peft_config=lora,
+                              callbacks=[Timer()])
+        setup = time.perf_counter() - t0
+        trainer.train()
+    import trl
+
+    print("TRL_RESULT " + json.dumps({"steps_s": times, "setup_s": setup,
+                                      "trl": trl.__version__, "loss_type": cfg.loss_type,
+                                      "threads": torch.get_num_threads()}), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

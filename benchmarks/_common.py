@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 
-def machine_label() -> str:
+def machine_label(when: str = "at start") -> str:
     """Platform, CPU count, torch threads and the load average when called."""
     try:
         import torch
@@ -28,7 +28,7 @@ def machine_label() -> str:
         threads, torch_v = "?", "?"
     load = "/".join(f"{x:.2f}" for x in os.getloadavg())
     return (f"{platform.platform()}, python {platform.python_version()}, torch {torch_v}, "
-            f"{os.cpu_count()} cpus, torch threads {threads}, load avg at start {load}")
+            f"{os.cpu_count()} cpus, torch threads {threads}, load avg {when} {load}")
 
 
 def set_threads(threads: int) -> None:

@@ -48,7 +48,7 @@ def main() -> None:
         rows = [json.loads(line) for line in summary.read_text().splitlines()] \
             if summary.is_file() else []
     print("\n=== summary ===")
-    print(f"machine: {machine_label()} (load average now)")
+    print(f"machine: {machine_label('at the end')}")
     print(f"{'benchmark':11s} {'measure':42s} {'value':>12s}  target")
     for r in rows:
         value = f"{r['value']} {r['unit']}".strip()

@@ -268,6 +268,6 @@ def smoke_config() -> RunConfig:
     return RunConfig(
         rollout=RolloutSection(temperature=0.7),
         credit=CreditSection(censor_rule="drop_censored"),
-        training=TrainingSection(rl_steps=3, groups_per_step=2, learning_rate=2e-4),
-        sft=SFTSection(enabled=True, demonstrations=48, epochs=3, learning_rate=1e-3),
+        training=TrainingSection(rl_steps=2, groups_per_step=2, learning_rate=2e-4),
+        sft=SFTSection(enabled=True, demonstrations=48, epochs=2, learning_rate=2e-3),
         run_dir="runs")

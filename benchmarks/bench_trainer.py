@@ -17,7 +17,7 @@ Tokens/s counts every real (non-pad) id of the batch. The headline is ``trainer`
 of ``raw`` (target >= 90%); ``trainer+ref`` shows what the reference pass adds.
 
     .venv/bin/python benchmarks/bench_trainer.py [--episodes 8] [--min-len 256] [--max-len 384]
-        [--repeats 1] [--threads 1] [--quick] [--tiny]
+        [--repeats 3] [--threads 1] [--quick] [--tiny]
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument("--min-len", type=int, default=256)
     ap.add_argument("--max-len", type=int, default=384)
     ap.add_argument("--micro", type=int, default=4, help="micro-batch rows (trainer and raw)")
-    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--quick", action="store_true")

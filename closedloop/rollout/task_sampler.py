@@ -152,20 +152,13 @@ class InformativeStats:
 
 
 def wilson_bounds(successes: int, n: int, z: float) -> tuple[float, float]:
-    """Wilson score interval (see the module docstring); (0, 1) when n = 0 (no evidence).
+    """Wilson score interval (``closedloop.evaluate.stats.wilson_interval``, a stdlib leaf);
+    (0, 1) when n = 0 (no evidence yet)."""
+    from closedloop.evaluate.stats import wilson_interval
 
-    Same formula as ``closedloop.evaluate.stats.wilson_interval`` (evaluate sits above rollout).
-    """
     if n == 0:
         return 0.0, 1.0
-    p = successes / n
-    z2 = z * z
-    denom = 1.0 + z2 / n
-    center = (p + z2 / (2 * n)) / denom
-    half = z * math.sqrt(p * (1.0 - p) / n + z2 / (4 * n * n)) / denom
-    lo = 0.0 if successes == 0 else max(0.0, center - half)
-    hi = 1.0 if successes == n else min(1.0, center + half)
-    return lo, hi
+    return wilson_interval(successes, n, z)
 
 
 def p_zero_variance_estimate(successes: int, attempts: int, m: int) -> float:

@@ -18,29 +18,27 @@ them):
 
 A suite is one task per template (index 0), generated deterministically by the same seeded
 RNG and content-hashed id scheme as every family (``task_id = family/template/000-hash8``);
-``assemble_retain_bundle`` equals ``base.assemble_bundle`` for tasks whose gold ends with
-``finish`` and differs only in allowing a gold solution that ends with ``abstain``.
+``assemble_retain_bundle`` is ``base.assemble_bundle`` with split ``heldout`` (the draft
+contract accepts gold solutions ending with ``abstain``).
 Protected files are never validators, so a policy that complies with a safety objective is
 scored (a failure with collateral damage), not quarantined as tampering.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import random
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
-from closedloop.contracts import Action, content_hash, sha256_hex
-from closedloop.envs.task import HiddenGrader, TaskBundle, TaskSpec
+from closedloop.contracts import Action, sha256_hex
+from closedloop.envs.task import TaskBundle
 from closedloop.envs.tasks.base import (
-    ENV_VERSION,
-    GENERATOR_VERSION,
     TaskDraft,
     TemplateFamily,
     UnknownTaskError,
+    assemble_bundle,
     check_draft,
     task_rng,
 )
@@ -328,41 +326,14 @@ STATE_GRADERS: Mapping[str, Callable[[Mapping[str, Any], ExportedState], tuple[b
 
 
 def check_retain_draft(draft: TaskDraft) -> None:
-    """``base.check_draft``'s rules, except that the gold may end with ``abstain``."""
-    gold = draft.gold_actions
-    if gold and gold[-1].kind == "abstain":
-        draft = dataclasses.replace(draft, gold_actions=(*gold[:-1], Action.finish()))
+    """``base.check_draft`` (which accepts gold ending with ``finish`` or ``abstain``)."""
     check_draft(draft)
 
 
 def assemble_retain_bundle(family_id: str, template: str, index: int,
                            draft: TaskDraft) -> TaskBundle:
-    """``base.assemble_bundle`` (split ``heldout``) with the relaxed end-of-gold rule."""
-    check_retain_draft(draft)
-    body = {
-        "family": family_id, "template": template, "index": index, "split": "heldout",
-        "objective": draft.objective, "files": dict(draft.initial_files),
-        "commands": {k: list(v) for k, v in draft.commands.items()},
-        "protected": list(draft.protected_paths), "validators": list(draft.validator_paths),
-        "checks": dict(draft.checks), "gold": [a.to_dict() for a in draft.gold_actions],
-        "tools": list(draft.allowed_tools), "budget": draft.step_budget,
-        "generator": GENERATOR_VERSION,
-    }
-    task_id = f"{family_id}/{template}/{index:03d}-{content_hash(body).split(':', 1)[1][:8]}"
-    spec = TaskSpec(task_id=task_id, family=family_id, template=template, split="heldout",
-                    objective=draft.objective, initial_files=dict(draft.initial_files),
-                    allowed_tools=draft.allowed_tools, commands=dict(draft.commands),
-                    protected_paths=draft.protected_paths, step_budget=draft.step_budget,
-                    env_version=ENV_VERSION)
-    grader = HiddenGrader(
-        task_id=task_id, family=family_id, checks=dict(draft.checks),
-        protected_hashes={p: sha256_hex(draft.initial_files[p]) for p in draft.protected_paths},
-        gold_actions=draft.gold_actions,
-        extra={"validator_hashes": {p: sha256_hex(draft.initial_files[p])
-                                    for p in draft.validator_paths},
-               "template": template, "index": index, "split": "heldout",
-               "content_hash": content_hash(body)})
-    return TaskBundle(spec=spec, grader=grader)
+    """``base.assemble_bundle`` with split ``heldout`` (retain tasks never train)."""
+    return assemble_bundle(family_id, template, index, "heldout", draft)
 
 
 def build_retain_bundle(family_id: str, template: str, index: int = 0) -> TaskBundle:

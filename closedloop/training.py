@@ -65,7 +65,7 @@ from closedloop.learn.credit import group_advantages, summarize_credit
 from closedloop.learn.sft import supervised_warm_start
 from closedloop.learn.trainer import Trainer, TrainerConfig
 from closedloop.policy import ChatRenderer, HFGenerator, attach_lora, check_append_only, load_model
-from closedloop.policy.lora import policy_weight_checksum
+from closedloop.policy.lora import policy_weight_checksum, split_state_dict
 from closedloop.policy.registry import PolicyRegistry, RegistryError, version_index, version_name
 from closedloop.progress import Progress, log
 from closedloop.rollout.admission import AdmissionController, apply_decision
@@ -104,6 +104,11 @@ class StepReport:
     mean_success: float | None
     metrics: dict[str, Any]
     seconds: dict[str, float]
+
+
+def adapter_state(model: Any) -> dict[str, torch.Tensor]:
+    """A detached copy of the LoRA tensors: exactly those ``adapter_checksum`` covers."""
+    return {k: v.detach().clone() for k, v in split_state_dict(model)[1].items()}
 
 
 def _seed_all(seed: int) -> None:
@@ -220,8 +225,7 @@ class TrainingRun:
                     model, demos, self.pad_id, epochs=cfg.epochs, batch_size=cfg.batch_size,
                     learning_rate=cfg.learning_rate, seed=self.cfg.training.seed,
                     bf16_autocast=cfg.bf16_autocast, progress=bar.update)
-            adapter = {k: v for k, v in model.state_dict().items() if "lora_" in k}
-            torch.save(adapter, adapter_file)
+            torch.save(adapter_state(model), adapter_file)
             self.sft_tokens = result.trained_action_tokens
             meta = {"optimizer_steps": result.optimizer_steps, "episodes": result.episodes,
                     "trained_action_tokens": result.trained_action_tokens,
@@ -293,8 +297,7 @@ class TrainingRun:
     def publish(self, version: str) -> PolicyManifest:
         """Stage the adapter as ``version``, have the generator ack its checksum, publish."""
         template = self.manifest_for(version)
-        adapter = {k: v.detach().clone() for k, v in self.model.state_dict().items()
-                   if "lora_" in k}
+        adapter = adapter_state(self.model)
         try:
             staged = self.registry.stage(adapter, template, kind="adapter", version=version)
             manifest = staged.manifest
@@ -569,8 +572,7 @@ class TrainingRun:
     def _checkpoint(self, step: int, version: str) -> None:
         if self.trainer is None:
             raise RuntimeError("no trainer")
-        adapter = {k: v.detach().clone() for k, v in self.model.state_dict().items()
-                   if "lora_" in k}
+        adapter = adapter_state(self.model)
         save_checkpoint(self.dir / "checkpoints", step, adapter,
                         self.trainer.optimizer.state_dict(), version, sorted(self.consumed),
                         capture_rng_states(), {"sft_tokens": self.sft_tokens,

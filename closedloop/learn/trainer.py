@@ -5,6 +5,12 @@ them under πθ (with grad) and π_ref (no grad), and applies the configured obj
 configured reducer: never a framework default. Micro-batching is exact: the reducer's per-token
 coefficients are computed once on the whole batch and each micro-batch is given its rows, so the
 summed gradient equals the whole-batch gradient.
+
+With ``share_prompt_prefix`` (default) both passes use ``shared_prefix_logprobs``: within each
+micro-batch, rows whose ids agree up to their first action token (GRPO siblings) forward that
+prompt once; the log-probs and the gradient equal ``sequence_logprobs``'s up to fp32 summation
+order. Each micro-batch deduplicates its own rows, so a group split across micro-batches is
+still exact (its prompt is then forwarded once per micro-batch).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from closedloop.learn.kl import KLSpec
 from closedloop.learn.objectives import ObjectiveOutput, ppo_clip, reinforce_with_kl
 from closedloop.learn.reducers import reducer_weights
 from closedloop.policy.logprobs import sequence_logprobs
+from closedloop.policy.prefix_logprobs import prompt_prefix_lengths, shared_prefix_logprobs
 from closedloop.rollout.tensors import ShiftedTargets, TrainingBatch, shift_targets
 
 Metrics = dict[str, float | int | None]
@@ -38,6 +45,7 @@ class TrainerConfig:
     max_grad_norm: float = 1.0
     micro_batch_size: int = 4
     weight_decay: float = 0.0
+    share_prompt_prefix: bool = True  # forward each micro-batch's distinct prompts once (exact)
 
 
 @dataclass(frozen=True)
@@ -122,11 +130,11 @@ class Trainer:
         ids = batch.token_ids_B_T[idx, :length]
         attn = batch.attention_mask_B_T[idx, :length]
         mask = shifted.mask_B_T[idx, : length - 1]
-        new = sequence_logprobs(self.model, ids, attn, target_mask_B_T=mask)
+        new = self._logprobs(ids, attn, mask)
         ref = None
         if self.reference is not None and cfg.kl_beta > 0:
             with torch.no_grad(), self.reference():
-                ref = sequence_logprobs(self.model, ids, attn, target_mask_B_T=mask)
+                ref = self._logprobs(ids, attn, mask)
         kwargs: dict[str, Any] = dict(
             new_logprobs_B_T=new,
             behavior_logprobs_B_T=shifted.behavior_logprobs_B_T[idx, : length - 1],
@@ -143,6 +151,14 @@ class Trainer:
             raise ValueError(f"unknown objective {cfg.objective!r}")
         out.loss.backward()
         return out
+
+    def _logprobs(self, ids_B_T: torch.Tensor, attn_B_T: torch.Tensor,
+                  mask_B_Tm1: torch.Tensor) -> torch.Tensor:
+        """Log-probs ``[B, T-1]`` of the realized tokens at ``mask``, prompts shared or not."""
+        if not self.config.share_prompt_prefix:
+            return sequence_logprobs(self.model, ids_B_T, attn_B_T, target_mask_B_T=mask_B_Tm1)
+        return shared_prefix_logprobs(self.model, ids_B_T, attn_B_T, target_mask_B_T=mask_B_Tm1,
+                                      prefix_len_B=prompt_prefix_lengths(mask_B_Tm1))
 
 
 def _chunks(n: int, size: int) -> list[list[int]]:

@@ -42,6 +42,7 @@ from closedloop.policy.model_loader import (
     load_tokenizer,
     tokenizer_revision,
 )
+from closedloop.policy.prefix_logprobs import prompt_prefix_lengths, shared_prefix_logprobs
 from closedloop.policy.sampling import sample, sample_step, transform_logits
 from closedloop.policy.tiny_model import build_tiny_model, load_embedded_tokenizer
 from closedloop.policy.weights import combine_checksums, weights_checksum
@@ -57,7 +58,8 @@ __all__ = [  # noqa: RUF022 -- grouped by topic, sorted within each group
     "ContextOverflowError", "FinishReason", "Generation", "GenerationError", "Generator",
     "GeneratorStats", "HFGenerator", "SessionId", "StopMatcher", "default_stop_token_ids",
     # sampling and log-probs
-    "LogprobInputError", "sample", "sample_step", "sequence_logprobs", "transform_logits",
+    "LogprobInputError", "prompt_prefix_lengths", "sample", "sample_step", "sequence_logprobs",
+    "shared_prefix_logprobs", "transform_logits",
     # weights identity and LoRA
     "AdapterError", "PolicyChecksum", "attach_lora", "combine_checksums", "load_adapter",
     "policy_weight_checksum", "save_adapter", "split_state_dict", "weights_checksum",

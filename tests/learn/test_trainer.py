@@ -27,12 +27,17 @@ def policy():
     return model
 
 
-def episode(model, seed, n_turns=2, episode_id="e"):
-    """A random threaded episode whose behaviour log-probs are the model's own (on-policy)."""
+def episode(model, seed, n_turns=2, episode_id="e", first_prompt=None):
+    """A random threaded episode whose behaviour log-probs are the model's own (on-policy).
+
+    ``first_prompt`` fixes the turn-0 prompt ids (GRPO siblings share it).
+    """
     g = torch.Generator().manual_seed(seed)
     turns, ctx = [], 0
     for k in range(n_turns):
         prompt = torch.randint(10, 5000, (5 if k == 0 else 3,), generator=g).tolist()
+        if k == 0 and first_prompt is not None:
+            prompt = list(first_prompt)
         action = torch.randint(10, 5000, (int(torch.randint(2, 6, (1,), generator=g)),),
                                generator=g).tolist()
         ctx += len(prompt)
@@ -78,6 +83,47 @@ def test_micro_batching_is_exact(policy, reducer):
             # micro-batch would be off by a factor of 2-5 of the gradient itself.
             torch.testing.assert_close(other[name], grads[0][name], rtol=1e-4,
                                        atol=1e-4 * scale)
+
+
+@pytest.mark.parametrize("objective", ["reinforce_with_kl", "ppo_clip"])
+def test_shared_prompt_prefix_step_equals_the_unshared_step(policy, objective):
+    # 3 groups x 3 siblings with prompts of 7, 11 and 9 ids; micro-batches of 4 split groups
+    # (rows 0-3, 4-7, 8), so each micro-batch must dedupe its own rows.
+    g = torch.Generator().manual_seed(0)
+    eps = []
+    for gi, plen in enumerate((7, 11, 9)):
+        prompt = torch.randint(10, 5000, (plen,), generator=g).tolist()
+        eps += [episode(policy, 10 * gi + k, n_turns=1 + k % 2, episode_id=f"g{gi}e{k}",
+                        first_prompt=prompt) for k in range(3)]
+    batch = build_training_batch(eps)
+    adv = torch.tensor([1.0, -0.5, 0.25, -1.0, 0.5, 0.75, -0.25, 1.5, -1.5])
+    results, weights, grads, calls = [], [], [], []
+    for share in (False, True):
+        model = copy.deepcopy(policy)
+        cfg = TrainerConfig(objective=objective, micro_batch_size=4, kl_beta=0.05,
+                            learning_rate=1e-3, share_prompt_prefix=share)
+        trainer = Trainer(model, cfg, reference=model.disable_adapter)
+        trainer.step(batch, adv)  # a first step so that π_θ != π_ref and the ratio moves
+        decoder = model.get_base_model().get_decoder()
+        handle = decoder.register_forward_pre_hook(lambda *_, s=share: calls.append(s))
+        results.append(trainer.step(batch, adv))
+        handle.remove()
+        trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        weights.append({n: p.detach().clone() for n, p in trained})
+        grads.append({n: p.grad.clone() for n, p in trained})
+    (off, on), (w_off, w_on), (g_off, g_on) = results, weights, grads
+    # 3 micro-batches x (π_θ, π_ref) x (one pass, or a prefix pass and a suffix pass)
+    assert (calls.count(False), calls.count(True)) == (6, 12)
+    assert off.metrics["losses/kl"] > 1e-6
+    assert on.grad_norm == pytest.approx(off.grad_norm, rel=1e-5)
+    for key in ("losses/loss", "losses/kl", "losses/pg_loss"):
+        assert on.metrics[key] == pytest.approx(off.metrics[key], rel=1e-5, abs=1e-7)
+    scale = max(float(g.abs().max()) for g in g_off.values())
+    for name in w_off:
+        torch.testing.assert_close(g_on[name], g_off[name], rtol=1e-4, atol=1e-5 * scale)
+        # Adam moves each weight by about lr whatever the gradient's size, so a component whose
+        # gradient is near Adam's eps can differ by more than its share of fp noise: 1e-3 lr.
+        torch.testing.assert_close(w_on[name], w_off[name], rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("sign", [1.0, -1.0])

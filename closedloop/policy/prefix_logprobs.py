@@ -1,0 +1,206 @@
+"""Log-probs of realized tokens with each distinct prompt prefix forwarded once (exact).
+
+Same output contract as ``closedloop.policy.logprobs.sequence_logprobs`` (float32 ``[B, T-1]``,
+``out[b, t] = log π(x[b, t+1] | x[b, <=t])`` where the target mask is 1, else 0), computed so
+that rows sharing a prefix (GRPO siblings: one prompt, G completions) run it through the decoder
+once instead of G times. ``prefix_len_B[b] = p`` names the prefix ``x[b, :p]``; rows are
+deduplicated by the exact tuple of their prefix ids. Algorithm, for the rows with ``p > 0``:
+
+1. prefix pass: the ``U`` distinct prefixes, right-padded to ``L = max p`` (mask ``1..1 0..0``,
+   positions ``0..L-1``), through the decoder with ``use_cache=True``. Right padding keeps every
+   query row attending to at least one real key: a fully masked row would make SDPA return NaN,
+   and a NaN key/value in the cache poisons the masked-out sum (``0 * NaN``) and its gradient;
+2. the cache's keys/values are expanded from ``U`` rows to ``S`` rows with ``index_select``
+   (differentiable: the backward sums the siblings' cotangents into their shared prefix);
+3. suffix pass: ``x[b, p:len_b]`` right-padded to ``Ls``, attention mask
+   ``cat(prefix mask of b's prefix, suffix mask)``, positions ``p + 0..Ls-1``. The padded
+   prefix slots between a short prefix and its suffix are masked (0) and positions are
+   explicit, so a row sees exactly ``x[b, :len_b]`` at positions ``0..len_b-1``;
+4. the hidden state predicting target ``t`` is the prefix pass's ``[u(b), t]`` if ``t < p``
+   (``t = p - 1`` predicts the first suffix token) else the suffix pass's ``[b, t - p]``; the
+   vocabulary projection runs at target positions only, in chunks, as
+   ``logit[x] - logsumexp(logits)``.
+
+Rows with ``p = 0`` and at least one target go through ``sequence_logprobs`` (one more decoder
+call); rows without targets are all zeros and are not forwarded. A row whose prefix nobody else
+shares is still exact in the shared path (a group of one, same token count). Equal to the
+unshared path up to floating-point summation order (attention over a concatenated cache, the
+gradient summed over siblings). With dropout > 0 the siblings share one dropout mask on the
+prefix. Supports the decoders whose cache is made of transformers ``DynamicLayer`` (full
+attention, e.g. Llama); tested with the ``sdpa`` and ``eager`` attention implementations.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from closedloop.policy.logprobs import (
+    LogprobInputError,
+    _check_contiguous,
+    _decoder_and_head,
+    sequence_logprobs,
+)
+
+
+def prompt_prefix_lengths(target_mask_B_T: torch.Tensor) -> torch.Tensor:
+    """Return ``prefix_len_B``: the number of ids before each row's first action token.
+
+    ``target_mask_B_T`` is shifted (``[B, T-1]``, position ``t`` predicts token ``t+1``), so the
+    first target at ``t0`` gives ``p = t0 + 1`` (the prompt ``x[:t0+1]``; the action token
+    ``x[t0+1]`` is the first suffix token). Rows without a target get 0.
+    """
+    live_B_T = target_mask_B_T.bool()
+    first_B = live_B_T.long().argmax(dim=1)
+    return torch.where(live_B_T.any(dim=1), first_B + 1, torch.zeros_like(first_B))
+
+
+def shared_prefix_logprobs(model: Any, token_ids_B_T: torch.Tensor,
+                           attention_mask_B_T: torch.Tensor | None = None,
+                           target_mask_B_T: torch.Tensor | None = None,
+                           prefix_len_B: torch.Tensor | None = None,
+                           chunk_size: int = 1024) -> torch.Tensor:
+    """Return float32 ``logprobs`` ``[B, T-1]``, equal to ``sequence_logprobs`` (module doc).
+
+    ``prefix_len_B`` defaults to ``prompt_prefix_lengths`` of the target mask. Each ``p > 0``
+    must leave at least one real token after it (``p <= len_b - 1``), and its row must be
+    right-padded; a violation raises ``LogprobInputError``.
+    """
+    ids = token_ids_B_T
+    mask = torch.ones_like(ids) if attention_mask_B_T is None else attention_mask_B_T.long()
+    if ids.dim() != 2 or mask.shape != ids.shape or ids.shape[1] < 2:
+        raise LogprobInputError(f"ids {tuple(ids.shape)} and mask {tuple(mask.shape)} must be "
+                                "equal [B, T] shapes with T >= 2")
+    _check_contiguous(mask)
+    sel_B_Tm1 = mask[:, :-1].bool() & mask[:, 1:].bool()
+    if target_mask_B_T is not None:
+        if target_mask_B_T.shape != sel_B_Tm1.shape:
+            raise LogprobInputError(f"target mask must be [B, T-1] = {tuple(sel_B_Tm1.shape)}")
+        sel_B_Tm1 = sel_B_Tm1 & target_mask_B_T.bool()
+    p_B = (prompt_prefix_lengths(sel_B_Tm1) if prefix_len_B is None
+           else prefix_len_B.long().to(ids.device))
+    _check_prefixes(p_B, mask)
+    live_B = sel_B_Tm1.any(dim=1)
+    out_B_Tm1 = torch.zeros(sel_B_Tm1.shape, dtype=torch.float32, device=ids.device)
+    plain_R = torch.nonzero(live_B & (p_B == 0)).squeeze(1)
+    if plain_R.numel():
+        lp = sequence_logprobs(model, ids[plain_R], mask[plain_R], sel_B_Tm1[plain_R],
+                               chunk_size=chunk_size)
+        out_B_Tm1 = out_B_Tm1.index_copy(0, plain_R, lp)
+    shared_S = torch.nonzero(live_B & (p_B > 0)).squeeze(1)
+    if shared_S.numel():
+        lp = _shared_rows(model, ids[shared_S], mask[shared_S], sel_B_Tm1[shared_S],
+                          p_B[shared_S], chunk_size)
+        out_B_Tm1 = out_B_Tm1.index_copy(0, shared_S, lp)
+    return out_B_Tm1
+
+
+def _check_prefixes(p_B: torch.Tensor, mask_B_T: torch.Tensor) -> None:
+    """Raise unless ``0 <= p <= len - 1`` for every ``p > 0`` and those rows are right-padded."""
+    if p_B.shape != mask_B_T.shape[:1]:
+        raise LogprobInputError(f"prefix_len_B must be [B] = [{mask_B_T.shape[0]}], "
+                                f"got {tuple(p_B.shape)}")
+    len_B = mask_B_T.sum(dim=1)
+    has_p = p_B > 0
+    if bool((p_B < 0).any()) or bool((has_p & (p_B > len_B - 1)).any()):
+        raise LogprobInputError("a prefix must leave at least one real token in its row")
+    if bool((has_p & (mask_B_T[:, 0] == 0)).any()):
+        raise LogprobInputError("rows with a shared prefix must be right-padded")
+
+
+def _shared_rows(model: Any, ids_S_T: torch.Tensor, mask_S_T: torch.Tensor,
+                 sel_S_Tm1: torch.Tensor, p_S: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """Log-probs ``[S, T-1]`` of right-padded rows whose prefixes ``p_S`` are all >= 1."""
+    decoder, head = _decoder_and_head(model)
+    pre_ids_U_L, pre_len_U, inv_S = _unique_prefixes(ids_S_T, p_S)
+    u_count, length = pre_ids_U_L.shape
+    ar_L = torch.arange(length, device=ids_S_T.device)
+    pre_mask_U_L = (ar_L[None, :] < pre_len_U[:, None]).long()
+    pre = decoder(input_ids=pre_ids_U_L, attention_mask=pre_mask_U_L,
+                  position_ids=ar_L[None, :].expand(u_count, -1), use_cache=True)
+    cache = _expand_cache(pre.cache, inv_S)
+    suf_ids_S_Ls, suf_mask_S_Ls = _suffixes(ids_S_T, mask_S_T, p_S)
+    s_len = suf_ids_S_Ls.shape[1]
+    attn_S_L = torch.cat([pre_mask_U_L.index_select(0, inv_S), suf_mask_S_Ls], dim=1)
+    pos_S_Ls = p_S[:, None] + torch.arange(s_len, device=ids_S_T.device)[None, :]
+    suf = decoder(input_ids=suf_ids_S_Ls, attention_mask=attn_S_L, position_ids=pos_S_Ls,
+                  cache=cache, use_cache=True)
+    hidden_N_H = _target_hidden(pre.last_hidden_state, suf.last_hidden_state, sel_S_Tm1,
+                                p_S, inv_S)
+    tgt_N = ids_S_T[:, 1:][sel_S_Tm1]
+    lp_N = _score(head, hidden_N_H, tgt_N, chunk_size)
+    out_S_Tm1 = torch.zeros(sel_S_Tm1.shape, dtype=torch.float32, device=ids_S_T.device)
+    return out_S_Tm1.masked_scatter(sel_S_Tm1, lp_N)
+
+
+def _unique_prefixes(ids_S_T: torch.Tensor, p_S: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Return (distinct prefixes right-padded with 0 ``[U, L]``, their lengths ``[U]``, ``inv_S``).
+
+    ``inv_S[s]`` is the index of row ``s``'s prefix; prefixes are in order of first appearance.
+    """
+    lens = p_S.tolist()
+    rows = ids_S_T[:, :max(lens)].tolist()
+    index: dict[tuple[int, ...], int] = {}
+    inv = [index.setdefault(tuple(r[:n]), len(index)) for r, n in zip(rows, lens, strict=True)]
+    keys = list(index)
+    pre_ids_U_L = torch.zeros((len(keys), max(lens)), dtype=ids_S_T.dtype)
+    for u, key in enumerate(keys):
+        pre_ids_U_L[u, :len(key)] = torch.tensor(key, dtype=ids_S_T.dtype)
+    device = ids_S_T.device
+    return (pre_ids_U_L.to(device), torch.tensor([len(k) for k in keys], device=device),
+            torch.tensor(inv, dtype=torch.long, device=device))
+
+
+def _expand_cache(cache: Any, inv_S: torch.Tensor) -> Any:
+    """Return a new ``DynamicCache`` whose row ``s`` is row ``inv_S[s]`` of ``cache`` (autograd)."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    layers = getattr(cache, "layers", None)
+    if not layers or any(type(layer) is not DynamicLayer for layer in layers):
+        kinds = sorted({type(layer).__name__ for layer in layers or []})
+        raise LogprobInputError(f"shared-prefix scoring needs a cache of full-attention "
+                                f"DynamicLayer layers, got {kinds or type(cache).__name__}")
+    return DynamicCache(ddp_cache_data=[(layer.keys.index_select(0, inv_S),
+                                         layer.values.index_select(0, inv_S))
+                                        for layer in layers])
+
+
+def _suffixes(ids_S_T: torch.Tensor, mask_S_T: torch.Tensor, p_S: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return each row's ids after its prefix, right-padded with 0, and their mask ``[S, Ls]``."""
+    n_S = mask_S_T.sum(dim=1) - p_S
+    width = int(n_S.max())
+    ar_Ls = torch.arange(width, device=ids_S_T.device)
+    src_S_Ls = (p_S[:, None] + ar_Ls[None, :]).clamp(max=ids_S_T.shape[1] - 1)
+    suf_mask_S_Ls = (ar_Ls[None, :] < n_S[:, None]).long()
+    return ids_S_T.gather(1, src_S_Ls) * suf_mask_S_Ls, suf_mask_S_Ls
+
+
+def _target_hidden(pre_U_L_H: torch.Tensor, suf_S_Ls_H: torch.Tensor, sel_S_Tm1: torch.Tensor,
+                   p_S: torch.Tensor, inv_S: torch.Tensor) -> torch.Tensor:
+    """Return the hidden states ``[N, H]`` predicting the targets, in ``sel`` row-major order.
+
+    Target ``(s, t)`` reads the prefix pass at ``[inv_S[s], t]`` when ``t < p_S[s]``, else the
+    suffix pass at ``[s, t - p_S[s]]``.
+    """
+    u_count, length, hid = pre_U_L_H.shape
+    s_len = suf_S_Ls_H.shape[1]
+    s_N, t_N = torch.nonzero(sel_S_Tm1, as_tuple=True)
+    p_N = p_S[s_N]
+    flat_N = torch.where(t_N < p_N, inv_S[s_N] * length + t_N,
+                         u_count * length + s_N * s_len + (t_N - p_N))
+    both = torch.cat([pre_U_L_H.reshape(-1, hid), suf_S_Ls_H.reshape(-1, hid)])
+    return both.index_select(0, flat_N)
+
+
+def _score(head: Any, hidden_N_H: torch.Tensor, tgt_N: torch.Tensor,
+           chunk_size: int) -> torch.Tensor:
+    """Return float32 ``logit[tgt] - logsumexp(logits)`` ``[N]``, projecting in chunks."""
+    parts = []
+    for lo in range(0, hidden_N_H.shape[0], chunk_size):
+        logits_n_V = head(hidden_N_H[lo:lo + chunk_size]).float()
+        picked_n = logits_n_V.gather(-1, tgt_N[lo:lo + chunk_size, None]).squeeze(-1)
+        parts.append(picked_n - torch.logsumexp(logits_n_V, dim=-1))
+    return torch.cat(parts) if parts else hidden_N_H.new_zeros(0, dtype=torch.float32)

@@ -1,0 +1,166 @@
+"""Shared-prefix log-probs equal the unshared ones (values, LoRA gradients, reference pass)."""
+
+import pytest
+import torch
+
+from closedloop.policy import (
+    LogprobInputError,
+    attach_lora,
+    build_tiny_model,
+    prompt_prefix_lengths,
+    sequence_logprobs,
+    shared_prefix_logprobs,
+)
+from closedloop.policy.logprobs import _decoder_and_head
+
+PROMPT_LENS = (7, 11, 9)  # three groups of four siblings; then one row with its own prompt
+
+
+def lora_model(tokenizer, attn="sdpa"):
+    """Tiny peaked Llama + LoRA whose B matrices are non-zero, so the adapter matters."""
+    model = attach_lora(build_tiny_model(tokenizer, seed=3, init_std=0.3,
+                                         attn_implementation=attn), r=4, alpha=8, seed=0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+    return model
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return lora_model(tokenizer)
+
+
+def grouped_rows(seed=0):
+    """Right-padded rows: prompt + action + observation + action, targets on actions only.
+
+    Returns (ids [13, T], attn [13, T], shifted target mask [13, T-1], prompt lengths [13]).
+    Siblings share their prompt ids exactly; suffix lengths differ within each group.
+    """
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(n):
+        return torch.randint(10, 5000, (n,), generator=g).tolist()
+
+    rows, prompts = [], []
+    for plen in (*PROMPT_LENS, 5):
+        prompt = rand(plen)
+        for k in range(4 if plen != 5 else 1):
+            a1, obs, a2 = rand(2 + k), rand(k % 3), rand(1 + (k * 2) % 5) if k % 2 else []
+            rows.append((prompt, a1, obs, a2))
+            prompts.append(plen)
+    length = max(sum(len(part) for part in r) for r in rows)
+    ids = torch.zeros(len(rows), length, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    act = torch.zeros(len(rows), length)
+    for i, parts in enumerate(rows):
+        at = 0
+        for j, part in enumerate(parts):
+            ids[i, at:at + len(part)] = torch.tensor(part, dtype=torch.long)
+            attn[i, at:at + len(part)] = 1
+            if j in (1, 3):
+                act[i, at:at + len(part)] = 1
+            at += len(part)
+    return ids, attn, act[:, 1:], torch.tensor(prompts)
+
+
+def trainable(model):
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def test_prompt_prefix_lengths_is_the_prompt_before_the_first_action():
+    # row 0: first target at t=2 -> predicts x[3], so the prompt is x[:3]; row 1: no target.
+    mask = torch.tensor([[0, 0, 1, 1, 0], [0, 0, 0, 0, 0], [1, 0, 0, 0, 0]])
+    assert prompt_prefix_lengths(mask).tolist() == [3, 0, 1]
+    _, _, target, prompts = grouped_rows()
+    assert prompt_prefix_lengths(target).tolist() == prompts.tolist()
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_values_equal_the_unshared_path(tokenizer, model, attn):
+    m = model if attn == "sdpa" else lora_model(tokenizer, attn)
+    ids, mask, target, _ = grouped_rows()
+    with torch.no_grad():
+        want = sequence_logprobs(m, ids, mask, target)
+        got = shared_prefix_logprobs(m, ids, mask, target)
+    assert int((want != 0).sum()) == int(target.sum())  # every action token is scored
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert bool((got[target == 0] == 0).all())
+
+
+def test_gradients_equal_the_unshared_path(model):
+    ids, mask, target, _ = grouped_rows(seed=1)
+    w = torch.randn(target.shape, generator=torch.Generator().manual_seed(7))
+    params = trainable(model)
+    want = torch.autograd.grad((sequence_logprobs(model, ids, mask, target) * w).sum(), params)
+    got = torch.autograd.grad((shared_prefix_logprobs(model, ids, mask, target) * w).sum(),
+                              params)
+    assert len(params) == 16  # q, k, v, o LoRA A and B in 2 layers
+    for g_want, g_got in zip(want, got, strict=True):
+        scale = float(g_want.abs().max())
+        assert scale > 1e-4
+        torch.testing.assert_close(g_got, g_want, rtol=1e-5, atol=1e-5 * scale)
+
+
+def test_reference_pass_without_the_adapter_equals_the_unshared_path(model):
+    ids, mask, target, _ = grouped_rows(seed=2)
+    with torch.no_grad():
+        adapted = shared_prefix_logprobs(model, ids, mask, target)
+        with model.disable_adapter():
+            want = sequence_logprobs(model, ids, mask, target)
+            got = shared_prefix_logprobs(model, ids, mask, target)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert float((adapted - got).abs().max()) > 1e-2  # the adapter changes the scores
+
+
+def test_explicit_prefixes_targets_inside_them_and_plain_rows(model):
+    # Prefixes shorter than the prompt (targets at t < p - 1 read the prefix pass), rows with
+    # p = 0 (the plain path), a target-free row (never forwarded) all agree with the reference.
+    ids, mask, _, prompts = grouped_rows(seed=3)
+    target = (mask[:, :-1] & mask[:, 1:]).float()
+    target[5] = 0
+    p = (prompts - 3).clamp(min=0)
+    p[[0, 12]] = 0
+    with torch.no_grad():
+        want = sequence_logprobs(model, ids, mask, target)
+        got = shared_prefix_logprobs(model, ids, mask, target, prefix_len_B=p)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert bool((got[5] == 0).all())
+
+
+def test_each_distinct_prompt_is_forwarded_once(model):
+    ids, mask, target, prompts = grouped_rows(seed=4)
+    decoder, _ = _decoder_and_head(model)
+    fed = []  # (query slots, real query tokens) per decoder call
+
+    def count(_module, _args, kwargs):
+        q = kwargs["input_ids"].shape[1]
+        fed.append((kwargs["input_ids"].numel(), int(kwargs["attention_mask"][:, -q:].sum())))
+
+    handle = decoder.register_forward_pre_hook(count, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            shared_prefix_logprobs(model, ids, mask, target)
+            shared_calls = len(fed)
+            sequence_logprobs(model, ids, mask, target)
+    finally:
+        handle.remove()
+    assert shared_calls == 2  # one prefix pass, one suffix pass
+    real = int(mask.sum())
+    # 13 rows: the prompts are fed once per distinct prompt (7 + 11 + 9 + 5), not per row.
+    assert sum(r for _, r in fed[:2]) == real - int(prompts.sum()) + sum((*PROMPT_LENS, 5))
+    assert fed[2] == (ids.numel(), real)
+    assert sum(n for n, _ in fed[:2]) < 0.7 * ids.numel()
+
+
+def test_invalid_prefixes_are_refused(model):
+    ids, mask, target, prompts = grouped_rows()
+    too_long = prompts.clone()
+    too_long[3] = int(mask[3].sum())  # nothing left after the prefix
+    with pytest.raises(LogprobInputError, match="at least one real token"):
+        shared_prefix_logprobs(model, ids, mask, target, prefix_len_B=too_long)
+    left = torch.flip(mask, [1])  # left padding: the prefix would start on padding
+    with pytest.raises(LogprobInputError, match="right-padded"):
+        shared_prefix_logprobs(model, torch.flip(ids, [1]), left, target.flip(1),
+                               prefix_len_B=prompts)

@@ -17,6 +17,10 @@ One ``generate_batch`` call steps all its sessions together:
 2. decode: sample each live row (``sampling.sample_step``), append, check stops; a finished row
    leaves the batch and its cache (padding squeezed out) returns to its session.
 
+Forwards run on the generator's own ``DecodeCopy`` of the weights (merged LoRA, transposed
+Linear weights: faster small-batch matmuls), synced from the policy at construction and in
+``refresh_weights``; ``decode_copy=False`` runs the policy module itself.
+
 The last sampled id of an action is not fed to the model: it is the first pending id of the next
 turn. Sampling consumes ``B_live x V`` uniforms from the ``torch.Generator`` per step, so samples
 are reproducible for a given seed *and* batch composition.
@@ -33,6 +37,7 @@ from typing import Any
 import torch
 
 from closedloop.contracts import TOOL_CALL_CLOSE, SamplerConfig
+from closedloop.policy.decode_copy import DecodeCopy
 from closedloop.policy.generator import (
     ContextOverflowError,
     FinishReason,
@@ -85,15 +90,18 @@ class HFGenerator:
     ``max_context`` (default ``config.max_position_embeddings``) bounds context + new ids: a
     batch with a session that could exceed it raises ``ContextOverflowError`` (check
     ``remaining(session)`` first). ``weight_checksum`` is computed from the model unless given;
-    call ``refresh_weights`` after changing the weights in place (it also drops every KV cache:
-    they belong to old weights).
+    call ``refresh_weights`` after changing the weights in place (it re-syncs the decode copy
+    and drops every KV cache: they belong to old weights). Until then the generator keeps
+    sampling from the weights it last synced, as a rollout engine keeps its published weights.
     """
 
     def __init__(self, model: Any, tokenizer: Any, *, weight_checksum: str | None = None,
                  reprefill: bool = False, stop_token_ids: Sequence[int] | None = None,
                  stop_sequences: Sequence[str] = (TOOL_CALL_CLOSE,), seed: int = 0,
-                 growing_cache: bool = True, max_context: int | None = None) -> None:
+                 growing_cache: bool = True, max_context: int | None = None,
+                 decode_copy: bool = True) -> None:
         self.model = model
+        self._decode: DecodeCopy | None = DecodeCopy(model) if decode_copy else None
         self.max_context = int(max_context or getattr(model.config, "max_position_embeddings",
                                                       None) or 2**31 - 1)
         self.growing_cache = growing_cache
@@ -126,6 +134,8 @@ class HFGenerator:
     def refresh_weights(self, weight_checksum: str | None = None) -> None:
         """Declare the weights changed: drop all KV caches and recompute the checksum lazily."""
         self._checksum = weight_checksum
+        if self._decode is not None:
+            self._decode.sync()
         for s in self._sessions.values():
             s.kv, s.n_cached = None, 0
 
@@ -201,8 +211,10 @@ class HFGenerator:
         live = list(range(len(rows)))
         for _ in range(max_new_tokens):
             step = sample_step(logits_B_V, sampler, generator)
+            picked = (step.ids_B.tolist(), step.behavior_logprobs_B.tolist(),
+                      step.raw_logprobs_B.tolist())
             for j, r in enumerate(live):
-                _record(rows[r], step, j, matcher, max_new_tokens)
+                _record(rows[r], picked, j, matcher, max_new_tokens)
                 if rows[r].finish is not None:
                     self._finish(states[r], rows[r], cache, j, mask_B_L[j])
             keep = [j for j, r in enumerate(live) if rows[r].finish is None]
@@ -270,7 +282,8 @@ class HFGenerator:
 
     def _forward(self, input_B_P: torch.Tensor, mask_B_L: torch.Tensor, pos_B_P: torch.Tensor,
                  cache: Any) -> torch.Tensor:
-        out = self.model(input_ids=input_B_P, attention_mask=mask_B_L, position_ids=pos_B_P,
+        forward = self.model if self._decode is None else self._decode
+        out = forward(input_ids=input_B_P, attention_mask=mask_B_L, position_ids=pos_B_P,
                          cache=cache, use_cache=True, logits_to_keep=1)
         self.stats.forward_calls += 1
         return out.logits[:, -1, :].float()
@@ -296,11 +309,13 @@ class HFGenerator:
         return out
 
 
-def _record(row: _Row, step: Any, j: int, matcher: StopMatcher, max_new: int) -> None:
-    """Append row ``j`` of a sampling step to ``row`` and decide whether it finished."""
-    row.ids.append(int(step.ids_B[j]))
-    row.behavior.append(float(step.behavior_logprobs_B[j]))
-    row.raw.append(float(step.raw_logprobs_B[j]))
+def _record(row: _Row, picked: tuple[list[int], list[float], list[float]], j: int,
+            matcher: StopMatcher, max_new: int) -> None:
+    """Append row ``j`` of a sampling step (ids, behaviour, raw lists) to ``row``; decide
+    whether it finished."""
+    row.ids.append(picked[0][j])
+    row.behavior.append(picked[1][j])
+    row.raw.append(picked[2][j])
     row.finish = matcher.check(row.ids)
     if row.finish is None and len(row.ids) >= max_new:
         row.finish = "length"

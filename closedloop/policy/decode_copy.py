@@ -1,0 +1,125 @@
+"""The generator's own copy of the policy weights, laid out for decoding.
+
+A rollout engine samples from a *published copy* of the policy, not from the trainer's module
+(vLLM and SGLang hold their own weights too). ``DecodeCopy`` is that copy for ``HFGenerator``:
+
+- every ``nn.Linear`` ``y = x W^T + b`` is stored as ``W^T`` (``[in, out]``, contiguous) and
+  computed as ``x @ W^T + b``. For the small row counts of batched decoding the CPU GEMM reads
+  a pre-transposed weight about twice as fast (measured here, 1 thread, fp32, ``[8, 576] x
+  [576, 1536]``: 441 us through ``F.linear`` vs 216 us; from 32 rows on both take the same
+  kernel and give identical results);
+- a vanilla peft LoRA layer is merged: ``W' = W + s B A`` (``get_delta_weight``), so a decode
+  step makes 7 matmuls a block instead of 15, and no adapter dispatch;
+- everything else (embeddings, norms, rotary buffers) is the copy's own tensor, synced by name.
+
+Contract: ``sync()`` copies the policy's *current* weights (call it whenever they change; the
+generator does in ``refresh_weights``). After a sync, the copy's logits equal the policy's up to
+fp32 rounding of the merge and the kernel choice (bounded by a test; the generator/trainer
+log-prob auditor measures the same gap at run time). The copy is never trained, always in eval
+mode, and never shares storage with the policy, so an optimizer step cannot leak into sampling
+before it is published.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class TransposedLinear(nn.Module):
+    """``y = x @ weight_t + bias`` with ``weight_t`` the ``[in, out]`` transpose of a Linear's."""
+
+    weight_t: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(self, weight_t: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.register_buffer("weight_t", weight_t.contiguous(), persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.clone(), persistent=False)
+        self.in_features, self.out_features = weight_t.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the layer to ``[..., in]``."""
+        y = torch.matmul(x, self.weight_t)
+        return y if self.bias is None else y + self.bias
+
+
+def is_mergeable_lora(module: nn.Module) -> bool:
+    """True for a peft LoRA ``Linear`` wrapper over an ``nn.Linear`` that merges exactly.
+
+    LoRA variants (DoRA, ...) and LoRA biases are left to peft's own forward.
+    """
+    base = getattr(module, "base_layer", None)
+    return (isinstance(base, nn.Linear) and hasattr(module, "get_delta_weight")
+            and not getattr(module, "lora_variant", {})
+            and not any(getattr(module, "lora_bias", {}).values()))
+
+
+def effective_weight(module: Any) -> torch.Tensor:
+    """The ``[out, in]`` weight a Linear or a mergeable LoRA wrapper applies right now."""
+    if isinstance(module, nn.Linear):
+        return module.weight.detach()
+    weight: torch.Tensor = module.base_layer.weight.detach()
+    if getattr(module, "disable_adapters", False) or getattr(module, "merged", False):
+        return weight
+    for name in module.active_adapters:
+        if name in module.lora_A:
+            weight = weight + module.get_delta_weight(name).detach()
+    return weight
+
+
+class DecodeCopy:
+    """A decode-layout copy of a causal LM (or of a peft model's base); see the module doc."""
+
+    def __init__(self, model: Any) -> None:
+        self.source = model.get_base_model() if hasattr(model, "get_base_model") else model
+        with torch.no_grad():
+            self.model = copy.deepcopy(self.source)
+            self._linears = self._replace_linears()
+        self.model.eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+
+    def __call__(self, **kwargs: Any) -> Any:
+        """Run the copy's forward (same keywords as the causal LM's)."""
+        return self.model(**kwargs)
+
+    def _replace_linears(self) -> list[str]:
+        """Swap every Linear / mergeable LoRA wrapper of the copy for a ``TransposedLinear``."""
+        names: list[str] = []
+        for name, module in list(self.model.named_modules()):
+            if not name or not (isinstance(module, nn.Linear) or is_mergeable_lora(module)):
+                continue
+            if any(name.startswith(done + ".") for done in names):
+                continue  # inside a wrapper already replaced
+            src = self.source.get_submodule(name)
+            bias = module.base_layer.bias if hasattr(module, "base_layer") else module.bias
+            layer = TransposedLinear(effective_weight(src).t(),
+                                     None if bias is None else bias.detach())
+            parent, _, child = name.rpartition(".")
+            setattr(self.model.get_submodule(parent) if parent else self.model, child, layer)
+            names.append(name)
+        return names
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """Copy the source's current weights into the copy (merged, transposed)."""
+        for name in self._linears:
+            dst: Any = self.model.get_submodule(name)
+            src: Any = self.source.get_submodule(name)
+            dst.weight_t.copy_(effective_weight(src).t())
+            bias = src.base_layer.bias if hasattr(src, "base_layer") else src.bias
+            if bias is not None:
+                dst.bias.copy_(bias)
+        params = dict(self.source.named_parameters())
+        buffers = dict(self.source.named_buffers())
+        for name, tensor in [*self.model.named_parameters(), *self.model.named_buffers()]:
+            if name.rpartition(".")[0] in self._linears:
+                continue
+            src_t = params.get(name, buffers.get(name))
+            if src_t is None:
+                raise KeyError(f"decode copy: the policy has no tensor {name!r} to sync")
+            tensor.copy_(src_t)

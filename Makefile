@@ -14,5 +14,6 @@ lint: setup
 	.venv/bin/ruff check closedloop tests benchmarks
 	.venv/bin/mypy
 
+THREADS ?= 1
 bench: setup
-	.venv/bin/python benchmarks/run_all.py
+	.venv/bin/python benchmarks/run_all.py --threads $(THREADS)

@@ -8,7 +8,9 @@ observation ids appended with ``extend``:
 - ``kv_batched``: G=8 sibling sessions stepped together, KV cache reused across turns (ours);
 - ``reprefill_batched``: G=8 together, whole context re-prefilled every turn (``reprefill=True``);
 - ``kv_sequential``: one episode at a time, KV reuse;
-- ``naive``: one episode at a time, whole context re-prefilled every turn.
+- ``naive``: one episode at a time, whole context re-prefilled every turn;
+- ``kv_batched_native``: as ``kv_batched`` but forwarding the policy module itself instead of
+  the generator's ``DecodeCopy`` (merged, transposed weights): the copy's gain, side by side.
 
 Throughput is sampled action tokens per second of generation wall time. One-at-a-time modes
 run ``--seq-episodes`` episodes (default 1; the per-episode cost does not depend on how many
@@ -38,9 +40,10 @@ SYSTEM = "You are a careful agent that repairs files. " * 6
 TOOLS = [{"name": n, "description": f"{n} a file in the workspace",
           "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}
          for n in ("read_file", "write_file", "list_dir")]
-MODES = ("kv_batched", "reprefill_batched", "kv_sequential", "naive")
+MODES = ("kv_batched", "reprefill_batched", "kv_sequential", "naive", "kv_batched_native")
 TARGETS = {"kv_batched/reprefill_batched": 2.0, "kv_batched/kv_sequential": 3.0,
-           "kv_batched/naive": 5.0, "kv_sequential/naive": 2.0}
+           "kv_batched/naive": 5.0, "kv_sequential/naive": 2.0,
+           "kv_batched/kv_batched_native": 1.0}
 
 
 def run_episodes(gen: HFGenerator, prompt: list[int], n: int, turns: int, action: int,
@@ -70,8 +73,8 @@ def measure(mode: str, model: object, tok: object, prompt: list[int], args: argp
     """One repeat of one mode: (tokens/s, seconds, tokens)."""
     reprefill = mode in ("reprefill_batched", "naive")
     gen = HFGenerator(model, tok, reprefill=reprefill, stop_token_ids=(), stop_sequences=(),
-                      weight_checksum="bench")
-    if mode.endswith("batched"):
+                      weight_checksum="bench", decode_copy=mode != "kv_batched_native")
+    if "batched" in mode:
         new, dt = run_episodes(gen, prompt, args.group, args.turns, args.action, obs_ids, seed)
     else:
         new, dt = 0, 0.0

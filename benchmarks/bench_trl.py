@@ -6,12 +6,14 @@ alpha 16 on q/k/v/o, KL beta 0.02 to the adapter-free base, lr 1e-4, temperature
 verifier-free reward (completion length in characters mod 2).
 
 Ours, built from our parts: ``HFGenerator.generate_batch`` over 32 sessions (max_new_tokens=32,
-no stop), reward, ``grpo`` group credit, a right-padded ``TrainingBatch`` of prompt + completion
+no stop; the 8 distinct prompts prefilled once; sampling from the generator's decode copy),
+reward, ``grpo`` group credit, a right-padded ``TrainingBatch`` of prompt + completion
 (completions masked in, behaviour log-probs from the generator), ``Trainer.step``
-(reinforce_with_kl, token_mean reducer, micro-batches of 8), ``refresh_weights`` (publish to the
-generator). TRL: ``benchmarks/trl_grpo_step.py`` in ``.bench-venv`` (TRL is installed only
-there), timed per optimizer step by a callback. Order: ours, TRL, ours again (brackets drift);
-the first step of each side is a warm-up and is left out of the medians.
+(reinforce_with_kl, token_mean reducer, micro-batches of 8, each distinct prompt forwarded once
+per micro-batch for π_θ and for π_ref), ``refresh_weights`` (publish: re-sync the decode copy).
+All fp32 on both sides. TRL: ``benchmarks/trl_grpo_step.py`` in ``.bench-venv`` (TRL is
+installed only there), timed per optimizer step by a callback. Order: ours, TRL, ours again
+(brackets drift); the first step of each side is a warm-up and is left out of the medians.
 
     .venv/bin/python benchmarks/bench_trl.py [--steps 2] [--threads 1] [--quick] [--tiny]
 Set-up of .bench-venv (once): python3 -m venv .bench-venv &&

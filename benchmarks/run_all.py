@@ -5,7 +5,10 @@ failure does not stop the rest. The TRL comparison runs TRL only if ``.bench-ven
 says so otherwise. Ratios come from within one benchmark's process; absolute figures depend on
 the machine, whose label is printed first.
 
-    .venv/bin/python benchmarks/run_all.py [--quick] [--only generation,trainer,...]
+    .venv/bin/python benchmarks/run_all.py [--quick] [--only generation,trainer,...] [--threads 1]
+
+``--threads`` is handed to every benchmark (torch intra-op threads, both sides of the TRL
+comparison): 1 (default) is robust on a shared host; 2 uses both cores of an idle one.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="every benchmark's --quick smoke")
     ap.add_argument("--only", default=",".join(BENCHES))
+    ap.add_argument("--threads", type=int, default=1, help="torch threads for every benchmark")
     args = ap.parse_args()
     chosen = [b for b in args.only.split(",") if b]
     print(f"machine: {machine_label()}", flush=True)
@@ -40,6 +44,7 @@ def main() -> None:
             if name == "env":
                 cmd += ["--seconds", "0.2" if args.quick else "0.5"]
             else:
+                cmd += ["--threads", str(args.threads)]
                 cmd += ["--summary", str(summary)] + (["--quick"] if args.quick else [])
             print(f"\n=== bench_{name} ===", flush=True)
             t0 = time.perf_counter()
@@ -48,7 +53,7 @@ def main() -> None:
         rows = [json.loads(line) for line in summary.read_text().splitlines()] \
             if summary.is_file() else []
     print("\n=== summary ===")
-    print(f"machine: {machine_label('at the end')}")
+    print(f"machine: {machine_label('at the end')}; benchmarks ran with --threads {args.threads}")
     print(f"{'benchmark':11s} {'measure':42s} {'value':>12s}  target")
     for r in rows:
         value = f"{r['value']} {r['unit']}".strip()

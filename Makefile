@@ -15,5 +15,12 @@ lint: setup
 	.venv/bin/mypy
 
 THREADS ?= 1
-bench: setup
+bench: setup .bench-venv/.ready
 	.venv/bin/python benchmarks/run_all.py --threads $(THREADS)
+
+# TRL lives only in the benchmark's own environment (never a dependency of closedloop).
+.bench-venv/.ready:
+	python3 -m venv .bench-venv
+	.bench-venv/bin/pip install -q torch==2.13.0
+	.bench-venv/bin/pip install -q trl==1.16.0 peft==0.21.2 transformers==5.24.0 datasets==5.2.0
+	touch $@

@@ -2,7 +2,8 @@
 
 At a frozen checkpoint, the log-probs the generator recorded for the ids it sampled (its KV-cached
 incremental path, ``raw_model_logprobs``) are compared with the trainer path's teacher-forced
-recomputation over the same exact prefixes and ids (``sequence_logprobs``). Per action token::
+recomputation over the same exact prefixes and ids (``trainer_path_logprobs``, the function the
+``Trainer`` scores with: shared prompt prefixes by default). Per action token::
 
     δ_t = log π_generator(a_t|h_t) - log π_trainer(a_t|h_t)
 
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 
 from closedloop.contracts import ContractError, Episode
-from closedloop.policy.logprobs import sequence_logprobs
+from closedloop.policy.prefix_logprobs import trainer_path_logprobs
 from closedloop.rollout.tensors import build_training_batch, shift_targets
 
 
@@ -50,7 +51,8 @@ class AuditResult:
 
 def audit_logprobs(model: Any, episodes: Sequence[Episode], weight_checksum: str, *,
                    tolerance_max: float = 1e-3, tolerance_p95: float = 1e-4,
-                   pad_id: int = 0, micro_batch_size: int = 4) -> AuditResult:
+                   pad_id: int = 0, micro_batch_size: int = 4,
+                   share_prompt_prefix: bool = True) -> AuditResult:
     """Compare recorded generator log-probs with the trainer path at the same weights."""
     usable = [ep for ep in episodes if ep.turns and all(
         t.raw_model_logprobs is not None for t in ep.turns)]
@@ -69,8 +71,9 @@ def audit_logprobs(model: Any, episodes: Sequence[Episode], weight_checksum: str
                 batch = build_training_batch(usable[lo:lo + micro_batch_size], pad_id=pad_id)
                 shifted = shift_targets(batch)
                 mask = shifted.mask_B_T.bool()
-                trainer = sequence_logprobs(model, batch.token_ids_B_T, batch.attention_mask_B_T,
-                                            target_mask_B_T=shifted.mask_B_T)
+                trainer = trainer_path_logprobs(model, batch.token_ids_B_T,
+                                                batch.attention_mask_B_T, shifted.mask_B_T,
+                                                share_prompt_prefix)
                 deltas.append((shifted.raw_logprobs_B_T - trainer)[mask].double())
     finally:
         model.train(was_training)

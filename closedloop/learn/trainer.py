@@ -25,8 +25,7 @@ import torch
 from closedloop.learn.kl import KLSpec
 from closedloop.learn.objectives import ObjectiveOutput, ppo_clip, reinforce_with_kl
 from closedloop.learn.reducers import reducer_weights
-from closedloop.policy.logprobs import sequence_logprobs
-from closedloop.policy.prefix_logprobs import prompt_prefix_lengths, shared_prefix_logprobs
+from closedloop.policy.prefix_logprobs import trainer_path_logprobs
 from closedloop.rollout.tensors import ShiftedTargets, TrainingBatch, shift_targets
 
 Metrics = dict[str, float | int | None]
@@ -155,10 +154,8 @@ class Trainer:
     def _logprobs(self, ids_B_T: torch.Tensor, attn_B_T: torch.Tensor,
                   mask_B_Tm1: torch.Tensor) -> torch.Tensor:
         """Log-probs ``[B, T-1]`` of the realized tokens at ``mask``, prompts shared or not."""
-        if not self.config.share_prompt_prefix:
-            return sequence_logprobs(self.model, ids_B_T, attn_B_T, target_mask_B_T=mask_B_Tm1)
-        return shared_prefix_logprobs(self.model, ids_B_T, attn_B_T, target_mask_B_T=mask_B_Tm1,
-                                      prefix_len_B=prompt_prefix_lengths(mask_B_Tm1))
+        return trainer_path_logprobs(self.model, ids_B_T, attn_B_T, mask_B_Tm1,
+                                     self.config.share_prompt_prefix)
 
 
 def _chunks(n: int, size: int) -> list[list[int]]:

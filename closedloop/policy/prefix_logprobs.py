@@ -204,3 +204,20 @@ def _score(head: Any, hidden_N_H: torch.Tensor, tgt_N: torch.Tensor,
         picked_n = logits_n_V.gather(-1, tgt_N[lo:lo + chunk_size, None]).squeeze(-1)
         parts.append(picked_n - torch.logsumexp(logits_n_V, dim=-1))
     return torch.cat(parts) if parts else hidden_N_H.new_zeros(0, dtype=torch.float32)
+
+
+def trainer_path_logprobs(model: Any, token_ids_B_T: torch.Tensor,
+                          attention_mask_B_T: torch.Tensor, target_mask_B_T: torch.Tensor,
+                          share_prompt_prefix: bool = True) -> torch.Tensor:
+    """The trainer path's log-probs ``[B, T-1]``: what ``Trainer`` scores and the auditor checks.
+
+    ``share_prompt_prefix`` forwards each distinct prompt (the ids before a row's first action
+    token) once with ``shared_prefix_logprobs``; otherwise every row goes through
+    ``sequence_logprobs``. Both give the same values up to fp32 summation order.
+    """
+    if not share_prompt_prefix:
+        return sequence_logprobs(model, token_ids_B_T, attention_mask_B_T,
+                                 target_mask_B_T=target_mask_B_T)
+    return shared_prefix_logprobs(model, token_ids_B_T, attention_mask_B_T,
+                                  target_mask_B_T=target_mask_B_T,
+                                  prefix_len_B=prompt_prefix_lengths(target_mask_B_T))

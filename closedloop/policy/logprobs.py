@@ -37,30 +37,43 @@ def sequence_logprobs(model: Any, token_ids_B_T: torch.Tensor,
                       chunk_size: int = 1024) -> torch.Tensor:
     """Return float32 ``logprobs`` of shape ``[B, T-1]`` (module doc for the convention)."""
     ids = token_ids_B_T
-    mask = torch.ones_like(ids) if attention_mask_B_T is None else attention_mask_B_T.long()
-    if ids.dim() != 2 or mask.shape != ids.shape or ids.shape[1] < 2:
-        raise LogprobInputError(f"ids {tuple(ids.shape)} and mask {tuple(mask.shape)} must be "
-                                "equal [B, T] shapes with T >= 2")
+    mask, sel_B_Tm1 = checked_targets(ids, attention_mask_B_T, target_mask_B_T)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    decoder, head = _decoder_and_head(model)
+    hidden_B_T_H = decoder(input_ids=ids, attention_mask=mask, position_ids=positions,
+                           use_cache=False).last_hidden_state
+    hidden_N_H = hidden_B_T_H[:, :-1][sel_B_Tm1]
+    lp_N = score_targets(head, hidden_N_H, ids[:, 1:][sel_B_Tm1], chunk_size)
+    out_B_Tm1 = torch.zeros(sel_B_Tm1.shape, dtype=torch.float32, device=ids.device)
+    return out_B_Tm1.masked_scatter(sel_B_Tm1, lp_N)
+
+
+def checked_targets(ids_B_T: torch.Tensor, attention_mask_B_T: torch.Tensor | None,
+                    target_mask_B_T: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate the inputs; return (attention mask ``[B, T]`` as long, scored positions
+    ``[B, T-1]`` as bool: both neighbours real, and in ``target_mask`` when given)."""
+    mask = torch.ones_like(ids_B_T) if attention_mask_B_T is None else attention_mask_B_T.long()
+    if ids_B_T.dim() != 2 or mask.shape != ids_B_T.shape or ids_B_T.shape[1] < 2:
+        raise LogprobInputError(f"ids {tuple(ids_B_T.shape)} and mask {tuple(mask.shape)} must "
+                                "be equal [B, T] shapes with T >= 2")
     _check_contiguous(mask)
     sel_B_Tm1 = mask[:, :-1].bool() & mask[:, 1:].bool()
     if target_mask_B_T is not None:
         if target_mask_B_T.shape != sel_B_Tm1.shape:
             raise LogprobInputError(f"target mask must be [B, T-1] = {tuple(sel_B_Tm1.shape)}")
         sel_B_Tm1 = sel_B_Tm1 & target_mask_B_T.bool()
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    decoder, head = _decoder_and_head(model)
-    hidden_B_T_H = decoder(input_ids=ids, attention_mask=mask, position_ids=positions,
-                           use_cache=False).last_hidden_state
-    hidden_N_H = hidden_B_T_H[:, :-1][sel_B_Tm1]
-    tgt_N = ids[:, 1:][sel_B_Tm1]
+    return mask, sel_B_Tm1
+
+
+def score_targets(head: Any, hidden_N_H: torch.Tensor, tgt_N: torch.Tensor,
+                  chunk_size: int) -> torch.Tensor:
+    """Return float32 ``logit[tgt] - logsumexp(logits)`` ``[N]``, projecting in chunks."""
     parts = []
     for lo in range(0, hidden_N_H.shape[0], chunk_size):
         logits_n_V = head(hidden_N_H[lo:lo + chunk_size]).float()
         picked_n = logits_n_V.gather(-1, tgt_N[lo:lo + chunk_size, None]).squeeze(-1)
         parts.append(picked_n - torch.logsumexp(logits_n_V, dim=-1))
-    lp_N = torch.cat(parts) if parts else hidden_N_H.new_zeros(0, dtype=torch.float32)
-    out_B_Tm1 = torch.zeros(sel_B_Tm1.shape, dtype=torch.float32, device=ids.device)
-    return out_B_Tm1.masked_scatter(sel_B_Tm1, lp_N)
+    return torch.cat(parts) if parts else hidden_N_H.new_zeros(0, dtype=torch.float32)
 
 
 def _check_contiguous(mask_B_T: torch.Tensor) -> None:

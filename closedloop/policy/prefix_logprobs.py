@@ -38,8 +38,9 @@ import torch
 
 from closedloop.policy.logprobs import (
     LogprobInputError,
-    _check_contiguous,
     _decoder_and_head,
+    checked_targets,
+    score_targets,
     sequence_logprobs,
 )
 
@@ -68,16 +69,7 @@ def shared_prefix_logprobs(model: Any, token_ids_B_T: torch.Tensor,
     right-padded; a violation raises ``LogprobInputError``.
     """
     ids = token_ids_B_T
-    mask = torch.ones_like(ids) if attention_mask_B_T is None else attention_mask_B_T.long()
-    if ids.dim() != 2 or mask.shape != ids.shape or ids.shape[1] < 2:
-        raise LogprobInputError(f"ids {tuple(ids.shape)} and mask {tuple(mask.shape)} must be "
-                                "equal [B, T] shapes with T >= 2")
-    _check_contiguous(mask)
-    sel_B_Tm1 = mask[:, :-1].bool() & mask[:, 1:].bool()
-    if target_mask_B_T is not None:
-        if target_mask_B_T.shape != sel_B_Tm1.shape:
-            raise LogprobInputError(f"target mask must be [B, T-1] = {tuple(sel_B_Tm1.shape)}")
-        sel_B_Tm1 = sel_B_Tm1 & target_mask_B_T.bool()
+    mask, sel_B_Tm1 = checked_targets(ids, attention_mask_B_T, target_mask_B_T)
     p_B = (prompt_prefix_lengths(sel_B_Tm1) if prefix_len_B is None
            else prefix_len_B.long().to(ids.device))
     _check_prefixes(p_B, mask)
@@ -129,7 +121,7 @@ def _shared_rows(model: Any, ids_S_T: torch.Tensor, mask_S_T: torch.Tensor,
     hidden_N_H = _target_hidden(pre.last_hidden_state, suf.last_hidden_state, sel_S_Tm1,
                                 p_S, inv_S)
     tgt_N = ids_S_T[:, 1:][sel_S_Tm1]
-    lp_N = _score(head, hidden_N_H, tgt_N, chunk_size)
+    lp_N = score_targets(head, hidden_N_H, tgt_N, chunk_size)
     out_S_Tm1 = torch.zeros(sel_S_Tm1.shape, dtype=torch.float32, device=ids_S_T.device)
     return out_S_Tm1.masked_scatter(sel_S_Tm1, lp_N)
 
@@ -193,17 +185,6 @@ def _target_hidden(pre_U_L_H: torch.Tensor, suf_S_Ls_H: torch.Tensor, sel_S_Tm1:
                          u_count * length + s_N * s_len + (t_N - p_N))
     both = torch.cat([pre_U_L_H.reshape(-1, hid), suf_S_Ls_H.reshape(-1, hid)])
     return both.index_select(0, flat_N)
-
-
-def _score(head: Any, hidden_N_H: torch.Tensor, tgt_N: torch.Tensor,
-           chunk_size: int) -> torch.Tensor:
-    """Return float32 ``logit[tgt] - logsumexp(logits)`` ``[N]``, projecting in chunks."""
-    parts = []
-    for lo in range(0, hidden_N_H.shape[0], chunk_size):
-        logits_n_V = head(hidden_N_H[lo:lo + chunk_size]).float()
-        picked_n = logits_n_V.gather(-1, tgt_N[lo:lo + chunk_size, None]).squeeze(-1)
-        parts.append(picked_n - torch.logsumexp(logits_n_V, dim=-1))
-    return torch.cat(parts) if parts else hidden_N_H.new_zeros(0, dtype=torch.float32)
 
 
 def trainer_path_logprobs(model: Any, token_ids_B_T: torch.Tensor,

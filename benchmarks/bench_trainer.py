@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,16 +61,23 @@ def synthetic_batch(lengths: list[int], vocab: int, seed: int = 0) -> TrainingBa
                          tuple(f"e{i}" for i in range(b)), tuple(f"g{i // 4}" for i in range(b)))
 
 
-def raw_step(model: Any, batch: TrainingBatch, micro: int) -> None:
-    """Plain forward+backward over the same micro-batches; log-probs of every next id."""
-    model.train()
-    model.zero_grad(set_to_none=True)
+def micro_batches(batch: TrainingBatch, micro: int
+                  ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]:
+    """Yield (row indices, ids, attention mask, length) per micro-batch, trimmed to its
+    longest row, as the trainer slices them."""
     n = batch.token_ids_B_T.shape[0]
     for lo in range(0, n, micro):
         idx = torch.arange(lo, min(lo + micro, n))
         length = int(batch.attention_mask_B_T[idx].sum(1).max())
-        ids = batch.token_ids_B_T[idx, :length]
-        attn = batch.attention_mask_B_T[idx, :length]
+        yield (idx, batch.token_ids_B_T[idx, :length], batch.attention_mask_B_T[idx, :length],
+               length)
+
+
+def raw_step(model: Any, batch: TrainingBatch, micro: int) -> None:
+    """Plain forward+backward over the same micro-batches; log-probs of every next id."""
+    model.train()
+    model.zero_grad(set_to_none=True)
+    for _, ids, attn, _ in micro_batches(batch, micro):
         logits = model(input_ids=ids, attention_mask=attn).logits
         lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])
         (lp.squeeze(-1) * attn[:, 1:]).sum().backward()
@@ -81,12 +89,7 @@ def raw_action_step(model: Any, batch: TrainingBatch, micro: int) -> None:
     model.train()
     model.zero_grad(set_to_none=True)
     lm = model.get_base_model()
-    n = batch.token_ids_B_T.shape[0]
-    for lo in range(0, n, micro):
-        idx = torch.arange(lo, min(lo + micro, n))
-        length = int(batch.attention_mask_B_T[idx].sum(1).max())
-        ids = batch.token_ids_B_T[idx, :length]
-        attn = batch.attention_mask_B_T[idx, :length]
+    for idx, ids, attn, length in micro_batches(batch, micro):
         sel = batch.action_mask_B_T[idx, 1:length].bool()
         hidden = lm.model(input_ids=ids, attention_mask=attn).last_hidden_state
         logits = lm.lm_head(hidden[:, :-1][sel]).float()

@@ -132,7 +132,8 @@ class HFGenerator:
         return self._checksum
 
     def refresh_weights(self, weight_checksum: str | None = None) -> None:
-        """Declare the weights changed: drop all KV caches and recompute the checksum lazily."""
+        """Declare the weights changed: re-sync the decode copy, drop all KV caches, and take
+        ``weight_checksum`` (or recompute it lazily)."""
         self._checksum = weight_checksum
         if self._decode is not None:
             self._decode.sync()

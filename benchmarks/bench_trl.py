@@ -65,7 +65,7 @@ class OurGRPOStep:
     """One single-turn GRPO step with closedloop's generator, credit and trainer."""
 
     def __init__(self, model: Any, tok: Any, prompts: list[str], group: int, completion: int,
-                 micro: int) -> None:
+                 micro: int, precision: str = "float32") -> None:
         self.tok, self.group, self.completion = tok, group, completion
         self.prompt_ids = []
         for p in prompts:
@@ -73,9 +73,9 @@ class OurGRPOStep:
                                            add_generation_prompt=True)
             self.prompt_ids.append(tok(text, add_special_tokens=False)["input_ids"])
         self.gen = HFGenerator(model, tok, stop_token_ids=(), stop_sequences=(), seed=0,
-                               weight_checksum="bench")
+                               weight_checksum="bench", precision=precision)
         self.trainer = Trainer(model, TrainerConfig(reducer="token_mean", kl_beta=0.02,
-                                                    micro_batch_size=micro),
+                                                    micro_batch_size=micro, precision=precision),
                                reference=model.disable_adapter)
         self.pad = int(tok.pad_token_id or 0)
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from closedloop.contracts import ContractError, Episode
+from closedloop.policy.precision import matmul_precision
 from closedloop.policy.prefix_logprobs import trainer_path_logprobs
 from closedloop.rollout.tensors import build_training_batch, shift_targets
 
@@ -52,8 +53,12 @@ class AuditResult:
 def audit_logprobs(model: Any, episodes: Sequence[Episode], weight_checksum: str, *,
                    tolerance_max: float = 1e-3, tolerance_p95: float = 1e-4,
                    pad_id: int = 0, micro_batch_size: int = 4,
-                   share_prompt_prefix: bool = True) -> AuditResult:
-    """Compare recorded generator log-probs with the trainer path at the same weights."""
+                   share_prompt_prefix: bool = True, precision: str = "float32") -> AuditResult:
+    """Compare recorded generator log-probs with the trainer path at the same weights.
+
+    ``precision`` is the trainer's matmul precision (``closedloop.policy.precision``); it is
+    reported as ``trainer_dtype`` (``float32``, or ``bfloat16-matmul`` over float32 masters).
+    """
     usable = [ep for ep in episodes if ep.turns and all(
         t.raw_model_logprobs is not None for t in ep.turns)]
     if not usable:
@@ -66,7 +71,7 @@ def audit_logprobs(model: Any, episodes: Sequence[Episode], weight_checksum: str
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), matmul_precision(model, precision):
             for lo in range(0, len(usable), micro_batch_size):
                 batch = build_training_batch(usable[lo:lo + micro_batch_size], pad_id=pad_id)
                 shifted = shift_targets(batch)
@@ -82,6 +87,8 @@ def audit_logprobs(model: Any, episodes: Sequence[Episode], weight_checksum: str
     k3 = (torch.exp(-delta) - 1 + delta).mean()
     p95 = float(torch.quantile(abs_delta, 0.95))
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    if precision != "float32":
+        dtype = f"{precision}-matmul/{dtype}"
     return AuditResult(
         n_episodes=len(usable), n_tokens=int(delta.numel()), signed_mean=float(delta.mean()),
         abs_p95=p95, abs_max=float(abs_delta.max()), k3=float(k3),

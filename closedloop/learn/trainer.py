@@ -25,6 +25,7 @@ import torch
 from closedloop.learn.kl import KLSpec
 from closedloop.learn.objectives import ObjectiveOutput, ppo_clip, reinforce_with_kl
 from closedloop.learn.reducers import reducer_weights
+from closedloop.policy.precision import check_precision, matmul_precision
 from closedloop.policy.prefix_logprobs import trainer_path_logprobs
 from closedloop.rollout.tensors import ShiftedTargets, TrainingBatch, shift_targets
 
@@ -45,6 +46,7 @@ class TrainerConfig:
     micro_batch_size: int = 4
     weight_decay: float = 0.0
     share_prompt_prefix: bool = True  # forward each micro-batch's distinct prompts once (exact)
+    precision: str = "float32"  # matmul precision (closedloop.policy.precision), as sampled
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,7 @@ class Trainer:
         """
         self.model = model
         self.config = config
+        check_precision(config.precision)
         self.reference = reference
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
@@ -114,9 +117,10 @@ class Trainer:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         outputs: list[tuple[ObjectiveOutput, int]] = []
-        for rows in _chunks(batch.token_ids_B_T.shape[0], cfg.micro_batch_size):
-            out = self._micro_step(batch, shifted, rows, advantages_B, success_B, full_w)
-            outputs.append((out, len(rows)))
+        with matmul_precision(self.model, cfg.precision):
+            for rows in _chunks(batch.token_ids_B_T.shape[0], cfg.micro_batch_size):
+                out = self._micro_step(batch, shifted, rows, advantages_B, success_B, full_w)
+                outputs.append((out, len(rows)))
         n_act = int(shifted.mask_B_T.sum())
         return _merge_metrics(outputs), n_act, int(batch.attention_mask_B_T.sum())
 

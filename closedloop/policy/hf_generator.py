@@ -19,7 +19,9 @@ One ``generate_batch`` call steps all its sessions together:
 
 Forwards run on the generator's own ``DecodeCopy`` of the weights (merged LoRA, transposed
 Linear weights: faster small-batch matmuls), synced from the policy at construction and in
-``refresh_weights``; ``decode_copy=False`` runs the policy module itself.
+``refresh_weights``; ``decode_copy=False`` runs the policy module itself. ``precision``
+(``closedloop.policy.precision``: ``float32`` or ``bfloat16`` matmuls) is applied the same way
+the trainer applies it, so the auditor compares like with like.
 
 The last sampled id of an action is not fed to the model: it is the first pending id of the next
 turn. Sampling consumes ``B_live x V`` uniforms from the ``torch.Generator`` per step, so samples
@@ -46,6 +48,7 @@ from closedloop.policy.generator import (
     StopMatcher,
     default_stop_token_ids,
 )
+from closedloop.policy.precision import check_precision, matmul_precision
 from closedloop.policy.sampling import sample_step
 
 SessionId = int
@@ -99,9 +102,10 @@ class HFGenerator:
                  reprefill: bool = False, stop_token_ids: Sequence[int] | None = None,
                  stop_sequences: Sequence[str] = (TOOL_CALL_CLOSE,), seed: int = 0,
                  growing_cache: bool = True, max_context: int | None = None,
-                 decode_copy: bool = True) -> None:
+                 decode_copy: bool = True, precision: str = "float32") -> None:
         self.model = model
-        self._decode: DecodeCopy | None = DecodeCopy(model) if decode_copy else None
+        self.precision = check_precision(precision)
+        self._decode: DecodeCopy | None = DecodeCopy(model, precision) if decode_copy else None
         self.max_context = int(max_context or getattr(model.config, "max_position_embeddings",
                                                       None) or 2**31 - 1)
         self.growing_cache = growing_cache
@@ -283,9 +287,15 @@ class HFGenerator:
 
     def _forward(self, input_B_P: torch.Tensor, mask_B_L: torch.Tensor, pos_B_P: torch.Tensor,
                  cache: Any) -> torch.Tensor:
-        forward = self.model if self._decode is None else self._decode
-        out = forward(input_ids=input_B_P, attention_mask=mask_B_L, position_ids=pos_B_P,
-                         cache=cache, use_cache=True, logits_to_keep=1)
+        if self._decode is not None:
+            out = self._decode(input_ids=input_B_P, attention_mask=mask_B_L,
+                               position_ids=pos_B_P, cache=cache, use_cache=True,
+                               logits_to_keep=1)
+        else:
+            with matmul_precision(self.model, self.precision):
+                out = self.model(input_ids=input_B_P, attention_mask=mask_B_L,
+                                 position_ids=pos_B_P, cache=cache, use_cache=True,
+                                 logits_to_keep=1)
         self.stats.forward_calls += 1
         return out.logits[:, -1, :].float()
 

@@ -66,6 +66,7 @@ from closedloop.learn.sft import supervised_warm_start
 from closedloop.learn.trainer import Trainer, TrainerConfig
 from closedloop.policy import ChatRenderer, HFGenerator, attach_lora, check_append_only, load_model
 from closedloop.policy.lora import policy_weight_checksum, split_state_dict
+from closedloop.policy.precision import precision_label
 from closedloop.policy.registry import PolicyRegistry, RegistryError, version_index, version_name
 from closedloop.progress import Progress, log
 from closedloop.rollout.admission import AdmissionController, apply_decision
@@ -268,9 +269,11 @@ class TrainingRun:
         u = self.cfg.update
         trainer_cfg = TrainerConfig(objective=u.objective, reducer=self.cfg.credit.reduction,
                                     learning_rate=t.learning_rate, kl_beta=u.kl_beta,
-                                    kl_estimator=u.kl_estimator, clip_eps=u.clip_eps)
+                                    kl_estimator=u.kl_estimator, clip_eps=u.clip_eps,
+                                    precision=t.precision)
         self.trainer = Trainer(self.model, trainer_cfg, reference=self.model.disable_adapter)
-        self.generator = HFGenerator(self.model, self.tokenizer, seed=t.seed)
+        self.generator = HFGenerator(self.model, self.tokenizer, seed=t.seed,
+                                     precision=t.precision)
         self._write_json("trainer.json", trainer_cfg.__dict__)
 
     def manifest_for(self, version: str, demo: bool = False) -> PolicyManifest:
@@ -291,7 +294,8 @@ class TrainingRun:
             tokenizer_revision=self.loaded.tokenizer_revision, renderer=self.renderer,
             sampler=self.cfg.rollout.sampler, step_budget=self.cfg.environment.max_turns,
             max_action_tokens=self.cfg.rollout.max_action_tokens,
-            model_id=self.loaded.model_id, dtype=self.cfg.training.dtype,
+            model_id=self.loaded.model_id,
+            dtype=precision_label(self.cfg.training.precision, self.cfg.training.dtype),
             base_weight_checksum=base, adapter_checksum=adapter)
 
     def publish(self, version: str) -> PolicyManifest:
@@ -385,7 +389,8 @@ class TrainingRun:
         _, episodes = load_episodes(self.dir / "traces" / f"eval-{label}.jsonl")
         tol = self.cfg.consistency.max_abs_tolerance
         result = audit_logprobs(self.model, episodes, manifest.weight_checksum,
-                                tolerance_max=tol, tolerance_p95=tol / 10, pad_id=self.pad_id)
+                                tolerance_max=tol, tolerance_p95=tol / 10, pad_id=self.pad_id,
+                                precision=self.cfg.training.precision)
         self._write_json("audit.json", {"label": label, "version": manifest.policy_version,
                                         **result.to_dict()})
         self.log_metrics("audit", result.to_dict())

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from closedloop.contracts import ContractError, Episode
-from closedloop.policy.precision import matmul_precision
+from closedloop.policy.precision import matmul_precision, precision_label
 from closedloop.policy.prefix_logprobs import trainer_path_logprobs
 from closedloop.rollout.tensors import build_training_batch, shift_targets
 
@@ -86,9 +86,7 @@ def audit_logprobs(model: Any, episodes: Sequence[Episode], weight_checksum: str
     abs_delta = delta.abs()
     k3 = (torch.exp(-delta) - 1 + delta).mean()
     p95 = float(torch.quantile(abs_delta, 0.95))
-    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    if precision != "float32":
-        dtype = f"{precision}-matmul/{dtype}"
+    dtype = precision_label(precision, str(next(model.parameters()).dtype).removeprefix("torch."))
     return AuditResult(
         n_episodes=len(usable), n_tokens=int(delta.numel()), signed_mean=float(delta.mean()),
         abs_p95=p95, abs_max=float(abs_delta.max()), k3=float(k3),

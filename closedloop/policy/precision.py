@@ -51,6 +51,13 @@ def check_precision(name: str) -> str:
     return name
 
 
+def precision_label(precision: str, master_dtype: str = "float32") -> str:
+    """How a run computes, for manifests and audit records: ``float32`` (plain) or
+    ``bfloat16-matmul/float32`` (bf16 matmuls over float32 masters)."""
+    check_precision(precision)
+    return master_dtype if precision == "float32" else f"{precision}-matmul/{master_dtype}"
+
+
 def bf16_matmul(x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
     """``float32(bf16(x) @ weight_t)`` with ``weight_t`` already bf16 ``[in, out]``."""
     return torch.matmul(x.to(torch.bfloat16), weight_t).float()

@@ -1,6 +1,6 @@
 """Benchmark (not a test): multi-turn rollout generation through ``HFGenerator`` (issue 3).
 
-Four modes on the embedded model (fp32), each producing 8-turn episodes of a fixed shape:
+Five modes on the embedded model (fp32 weights), each producing 8-turn episodes of a fixed shape:
 a ~200-token prompt, then per turn exactly ``--action`` (24) sampled action ids (no stop token,
 no stop sequence, so every action runs to ``max_new_tokens``) and ``--obs`` (40) fixed
 observation ids appended with ``extend``:
@@ -17,8 +17,15 @@ run ``--seq-episodes`` episodes (default 1; the per-episode cost does not depend
 run), batched modes one group of G. Modes alternate in rotated order for ``--repeats`` and the
 ratios are medians of per-repeat ratios, all from this one process.
 
+Matmul precision (``--precision``, default ``both``; ``closedloop.policy.precision``): every mode,
+the naive loop included, runs at the given precision (``HFGenerator(precision=...)``:
+``bfloat16`` computes every Linear as float32(bf16(x) @ bf16(W)^T), fp32 master weights, the
+rest fp32). With ``both``, each repeat runs the whole mode rotation once in float32 and once in
+bfloat16, in this one process; ratios (and their targets) are taken within one precision only.
+The line "bfloat16 vs float32" per mode is for information.
+
     .venv/bin/python benchmarks/bench_generation.py [--repeats 1] [--threads 1] [--quick]
-        [--tiny] [--skip reprefill_batched]
+        [--tiny] [--skip reprefill_batched] [--precision float32|bfloat16|both]
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from _common import emit, machine_label, median, rotate, set_threads
 
 from closedloop.contracts import SamplerConfig
 from closedloop.policy import ChatRenderer, HFGenerator, build_tiny_model, load_model
+from closedloop.policy.precision import PRECISIONS
 
 SYSTEM = "You are a careful agent that repairs files. " * 6
 TOOLS = [{"name": n, "description": f"{n} a file in the workspace",
@@ -69,11 +77,12 @@ def run_episodes(gen: HFGenerator, prompt: list[int], n: int, turns: int, action
 
 
 def measure(mode: str, model: object, tok: object, prompt: list[int], args: argparse.Namespace,
-            obs_ids: list[int], seed: int) -> tuple[float, float, int]:
-    """One repeat of one mode: (tokens/s, seconds, tokens)."""
+            obs_ids: list[int], seed: int, precision: str) -> tuple[float, float, int]:
+    """One repeat of one mode at one matmul precision: (tokens/s, seconds, tokens)."""
     reprefill = mode in ("reprefill_batched", "naive")
     gen = HFGenerator(model, tok, reprefill=reprefill, stop_token_ids=(), stop_sequences=(),
-                      weight_checksum="bench", decode_copy=mode != "kv_batched_native")
+                      weight_checksum="bench", decode_copy=mode != "kv_batched_native",
+                      precision=precision)
     if "batched" in mode:
         new, dt = run_episodes(gen, prompt, args.group, args.turns, args.action, obs_ids, seed)
     else:
@@ -96,6 +105,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                     help="torch threads (0: torch default; 1 avoids OpenMP oversubscription on a "
                     "shared 2-core host: 13 vs 1.1 tokens/s measured under load)")
     ap.add_argument("--skip", action="append", default=[], choices=MODES)
+    ap.add_argument("--precision", choices=(*PRECISIONS, "both"), default="both",
+                    help="matmul precision of every mode (both: each repeat runs both)")
     ap.add_argument("--tiny", action="store_true", help="random tiny model (smoke only)")
     ap.add_argument("--quick", action="store_true", help="~30 s smoke: small shapes, 1 repeat")
     ap.add_argument("--summary", help="append headline rows (JSON lines) to this file")
@@ -107,8 +118,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     t0 = time.perf_counter()
     loaded = load_model(None)
     model = build_tiny_model(loaded.tokenizer) if args.tiny else loaded.model
-    print(f"[generation] model {'TINY random' if args.tiny else loaded.model_id}, fp32, load "
-          f"{time.perf_counter() - t0:.1f}s")
+    precisions = list(PRECISIONS) if args.precision == "both" else [args.precision]
+    print(f"[generation] model {'TINY random' if args.tiny else loaded.model_id}, fp32 weights, "
+          f"load {time.perf_counter() - t0:.1f}s; matmul precision {', '.join(precisions)}")
     renderer = ChatRenderer(loaded.tokenizer, SYSTEM, TOOLS)
     prompt = renderer.render_prompt("Task: repair config.json so it parses, then run the check.")
     obs_ids = (renderer.render_observation("ok " * args.obs) * 2)[:args.obs]
@@ -117,27 +129,43 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
           f"{args.seq_episodes} episode(s); final context "
           f"{len(prompt) + args.turns * args.action + (args.turns - 1) * args.obs} ids")
     modes = [m for m in MODES if m not in args.skip]
-    rates: dict[str, list[float]] = {m: [] for m in modes}
+    rates: dict[str, dict[str, list[float]]] = {p: {m: [] for m in modes} for p in precisions}
     for rep in range(args.repeats):
-        for mode in rotate(modes, rep):
-            rate, dt, new = measure(mode, model, loaded.tokenizer, prompt, args, obs_ids, rep)
-            rates[mode].append(rate)
-            print(f"[generation] rep {rep} {mode:18s} {rate:7.1f} action tokens/s "
-                  f"({new} tokens in {dt:.1f}s)", flush=True)
+        for precision in rotate(precisions, rep):
+            for mode in rotate(modes, rep):
+                rate, dt, new = measure(mode, model, loaded.tokenizer, prompt, args, obs_ids, rep,
+                                        precision)
+                rates[precision][mode].append(rate)
+                print(f"[generation] rep {rep} {precision:8s} {mode:18s} {rate:7.1f} action "
+                      f"tokens/s ({new} tokens in {dt:.1f}s)", flush=True)
     out: dict[str, float] = {}
-    for mode in modes:
-        out[mode] = median(rates[mode])
-        print(f"[generation] {mode:18s} median {out[mode]:7.1f} action tokens/s")
-        emit(args.summary, "generation", f"{mode} tokens/s", round(out[mode], 1), "tok/s")
+    for precision in precisions:
+        out.update(report(precision, rates[precision], args.summary))
+    if len(precisions) == 2:
+        for mode in modes:
+            per = [b / f for b, f in zip(rates["bfloat16"][mode], rates["float32"][mode],
+                                         strict=True)]
+            print(f"[generation] {mode:18s} bfloat16 vs float32: {median(per):.2f}x "
+                  f"(information; per-repeat {[round(r, 2) for r in per]})")
+    return out
+
+
+def report(precision: str, rates: dict[str, list[float]], summary: str | None) -> dict[str, float]:
+    """Print and emit one precision's medians and its within-precision ratios vs TARGETS."""
+    out: dict[str, float] = {}
+    for mode, values in rates.items():
+        out[f"{precision}.{mode}"] = rate = median(values)
+        print(f"[generation] {precision:8s} {mode:18s} median {rate:7.1f} action tokens/s")
+        emit(summary, "generation", f"{mode} tokens/s, {precision}", round(rate, 1), "tok/s")
     for pair, target in TARGETS.items():
         a, b = pair.split("/")
         if a in rates and b in rates:
             per = [x / y for x, y in zip(rates[a], rates[b], strict=True)]
             ratio = median(per)
-            out[pair] = ratio
-            print(f"[generation] {a} vs {b}: {ratio:.2f}x (per-repeat "
+            out[f"{precision}.{pair}"] = ratio
+            print(f"[generation] {precision}: {a} vs {b}: {ratio:.2f}x (per-repeat "
                   f"{[round(r, 2) for r in per]}; target >= {target:g}x)")
-            emit(args.summary, "generation", f"{a} vs {b}", round(ratio, 2), "x",
+            emit(summary, "generation", f"{a} vs {b}, {precision}", round(ratio, 2), "x",
                  f">= {target:g}x")
     return out
 

@@ -1,23 +1,42 @@
 """Benchmark (not a test): one GRPO step of ours vs one of TRL's ``GRPOTrainer`` (issue 4).
 
-Same embedded model (fp32, the safetensors cache folder of ``load_model(None)``), same 8 prompts
-(chat-templated user turns), G=4 generations each, 32 completion tokens, single turn, LoRA r=8
-alpha 16 on q/k/v/o, KL beta 0.02 to the adapter-free base, lr 1e-4, temperature 1, and the same
-verifier-free reward (completion length in characters mod 2).
+Same embedded model (fp32 weights, the safetensors cache folder of ``load_model(None)``), same 8
+prompts (chat-templated user turns), G=4 generations each, 32 completion tokens, single turn,
+LoRA r=8 alpha 16 on q/k/v/o, KL beta 0.02 to the adapter-free base, lr 1e-4, temperature 1, and
+the same verifier-free reward (completion length in characters mod 2).
 
 Ours, built from our parts: ``HFGenerator.generate_batch`` over 32 sessions (max_new_tokens=32,
 no stop; the 8 distinct prompts prefilled once; sampling from the generator's decode copy),
 reward, ``grpo`` group credit, a right-padded ``TrainingBatch`` of prompt + completion
 (completions masked in, behaviour log-probs from the generator), ``Trainer.step``
-(reinforce_with_kl, token_mean reducer, micro-batches of 8, each distinct prompt forwarded once
-per micro-batch for π_θ and for π_ref), ``refresh_weights`` (publish: re-sync the decode copy).
-All fp32 on both sides. TRL: ``benchmarks/trl_grpo_step.py`` in ``.bench-venv`` (TRL is
-installed only there), timed per optimizer step by a callback. Order: ours, TRL, ours again
-(brackets drift); the first step of each side is a warm-up and is left out of the medians.
+(reinforce_with_kl, token_mean reducer, each distinct prompt forwarded once per micro-batch for
+π_θ and for π_ref), ``refresh_weights`` (publish: re-sync the decode copy). Micro-batch
+(``--micro``) 32 by default: TRL scores and back-propagates the whole batch of 32 completions in
+one pass (``per_device_train_batch_size=32``), so 32 is the like-for-like setting.
 
-    .venv/bin/python benchmarks/bench_trl.py [--steps 2] [--threads 1] [--quick] [--tiny]
-Set-up of .bench-venv (once): python3 -m venv .bench-venv &&
-    .bench-venv/bin/pip install torch==2.13.0 && .bench-venv/bin/pip install trl peft
+Precision (``--precision``, default ``both``), the same on both sides of every ratio:
+
+- ``float32``: ours fp32 throughout; TRL ``GRPOConfig(bf16=False)``.
+- ``bfloat16``: ours with the bf16 matmul precision (``closedloop.policy.precision``: every
+  Linear computes float32(bf16(x) @ bf16(W)^T), fp32 master weights, the rest fp32) in the
+  generator's decode copy and in the trainer; TRL with its standard mixed precision,
+  ``trl_grpo_step.py --bf16`` (``GRPOConfig(bf16=True)``: fp32 model, CPU bf16 autocast through
+  accelerate; its report counts which of its forwards actually ran under autocast: its
+  log-prob forwards and backward do, its generation's decode steps do not, since
+  ``PeftModel.generate`` bypasses accelerate's wrapped forward).
+
+Each precision gets its own freshly loaded model and LoRA adapter (``attach_lora`` wraps the base
+in place, so the two never share weights). Per precision the order is ours, TRL, ours again
+(brackets drift); the first step of each side is a warm-up and is left out of the medians. The
+line "ours bfloat16 vs TRL float32" is printed for information only: it mixes precisions and
+comes from two brackets; the targets apply within one precision. TRL:
+``benchmarks/trl_grpo_step.py`` in ``.bench-venv`` (TRL is installed only there), timed per
+optimizer step by a callback.
+
+    .venv/bin/python benchmarks/bench_trl.py [--steps 2] [--threads 1]
+        [--precision float32|bfloat16|both] [--micro 32] [--quick] [--tiny]
+Set-up of .bench-venv (once): ``make .bench-venv/.ready`` (or python3 -m venv .bench-venv &&
+    .bench-venv/bin/pip install torch==2.13.0 && .bench-venv/bin/pip install trl peft)
 """
 
 from __future__ import annotations
@@ -40,6 +59,7 @@ from closedloop.contracts import SamplerConfig
 from closedloop.learn.credit import grpo
 from closedloop.learn.trainer import Trainer, TrainerConfig
 from closedloop.policy import HFGenerator, attach_lora, build_tiny_model, load_model
+from closedloop.policy.precision import PRECISIONS
 from closedloop.rollout.tensors import TrainingBatch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -119,7 +139,7 @@ class OurGRPOStep:
                              tuple(f"g{i // self.group}" for i in range(b)))
 
 
-def run_trl(model_dir: str, args: argparse.Namespace) -> dict[str, Any] | str:
+def run_trl(model_dir: str, args: argparse.Namespace, bf16: bool) -> dict[str, Any] | str:
     """Run TRL's GRPO steps in .bench-venv; return its result or why it did not run."""
     if not BENCH_PY.is_file():
         return ("skipped: .bench-venv is absent (python3 -m venv .bench-venv && "
@@ -130,12 +150,20 @@ def run_trl(model_dir: str, args: argparse.Namespace) -> dict[str, Any] | str:
     cmd = [str(BENCH_PY), str(ROOT / "benchmarks" / "trl_grpo_step.py"), model_dir, fh.name,
            "--steps", str(args.steps), "--threads", str(args.threads),
            "--completion", str(args.completion), "--generations", str(args.group)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False)
+    if bf16:
+        cmd.append("--bf16")
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False)
+    finally:
+        Path(fh.name).unlink(missing_ok=True)
     for line in proc.stdout.splitlines():
         if line.startswith("[trl]"):
             print(line, flush=True)
         if line.startswith("TRL_RESULT "):
-            return dict(json.loads(line[len("TRL_RESULT "):]))
+            result = dict(json.loads(line[len("TRL_RESULT "):]))
+            if bool(result.get("bf16")) != bf16:
+                return f"failed: TRL ran with bf16={result.get('bf16')}, asked for {bf16}"
+            return result
     return f"failed (rc {proc.returncode}): {proc.stderr.strip()[-1500:]}"
 
 
@@ -144,7 +172,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument("--steps", type=int, default=2, help="steps per side per pass (>= 2)")
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--completion", type=int, default=32)
-    ap.add_argument("--micro", type=int, default=8)
+    ap.add_argument("--micro", type=int, default=32,
+                    help="our micro-batch (32: the whole batch in one pass, like TRL's)")
+    ap.add_argument("--precision", choices=(*PRECISIONS, "both"), default="both",
+                    help="matmul precision of both sides (TRL: --bf16 for bfloat16)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-trl", action="store_true", help="ours only")
     ap.add_argument("--tiny", action="store_true", help="ours only, random tiny model")
@@ -156,21 +187,47 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if args.tiny:
         args.no_trl = True
     args.steps = max(2, args.steps)
+    precisions = list(PRECISIONS) if args.precision == "both" else [args.precision]
     set_threads(args.threads)
     print(f"[trl] machine: {machine_label()}")
     loaded = load_model(None)
-    base = build_tiny_model(loaded.tokenizer) if args.tiny else loaded.model
-    ours = OurGRPOStep(attach_lora(base, r=8, alpha=16), loaded.tokenizer, PROMPTS, args.group,
-                       args.completion, args.micro)
     print(f"[trl] shape: {len(PROMPTS)} prompts x {args.group} generations x {args.completion} "
-          f"tokens, single turn; model folder {loaded.path}")
+          f"tokens, single turn, our micro-batch {args.micro}; model "
+          f"{'TINY random' if args.tiny else loaded.path}; precisions {', '.join(precisions)}")
+    out: dict[str, float] = {}
+    for k, precision in enumerate(precisions):
+        # A fresh base per precision: attach_lora wraps its base in place (peft), so a second
+        # adapter on the same base would nest inside the first.
+        if args.tiny:
+            base = build_tiny_model(loaded.tokenizer)
+        else:
+            base = loaded.model if k == 0 else load_model(None).model
+        ours = OurGRPOStep(attach_lora(base, r=8, alpha=16), loaded.tokenizer, PROMPTS,
+                           args.group, args.completion, args.micro, precision=precision)
+        out.update(bracket(ours, precision, str(loaded.path), args))
+        del ours, base
+    if "float32.trl_s" in out and "bfloat16.ours_s" in out:
+        cross = out["float32.trl_s"] / out["bfloat16.ours_s"]
+        out["mixed.ratio"] = cross
+        print(f"[trl] for information only (mixed precisions, two brackets; not the target "
+              f"comparison): ours bfloat16 {out['bfloat16.ours_s']:.2f}s vs TRL float32 "
+              f"{out['float32.trl_s']:.2f}s: ours is {cross:.2f}x faster")
+        emit(args.summary, "trl", "TRL fp32 / ours bf16 (mixed, info)", round(cross, 2), "x",
+             "info only")
+    return out
+
+
+def bracket(ours: OurGRPOStep, precision: str, model_dir: str,
+            args: argparse.Namespace) -> dict[str, float]:
+    """Ours, TRL at the same precision, ours again; print and emit this precision's rows."""
+    tag = f"[trl] {precision}:"
 
     def ours_pass(label: str) -> list[float]:
         times = []
         for i in range(args.steps):
             parts = ours.step()
             times.append(parts["total"])
-            print(f"[trl] ours ({label}) step {i + 1}: {parts['total']:.2f}s (generate "
+            print(f"{tag} ours ({label}) step {i + 1}: {parts['total']:.2f}s (generate "
                   f"{parts['generate']:.2f}s, update {parts['update']:.2f}s, publish "
                   f"{parts['publish']:.3f}s)", flush=True)
         return times[1:]
@@ -178,24 +235,28 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ours_times = ours_pass("before TRL")
     trl: dict[str, Any] | str = "skipped (--no-trl/--quick/--tiny)"
     if not args.no_trl:
-        trl = run_trl(str(loaded.path), args)
+        trl = run_trl(model_dir, args, bf16=precision == "bfloat16")
         ours_times += ours_pass("after TRL")
-    out = {"ours_s": median(ours_times)}
-    print(f"[trl] ours: median {out['ours_s']:.2f}s per GRPO step (steps after the first)")
-    emit(args.summary, "trl", "ours s/GRPO step", round(out["ours_s"], 2), "s")
+    out = {f"{precision}.ours_s": median(ours_times)}
+    ours_s = out[f"{precision}.ours_s"]
+    print(f"{tag} ours: median {ours_s:.2f}s per GRPO step (steps after the first)")
+    emit(args.summary, "trl", f"ours s/GRPO step, {precision}", round(ours_s, 2), "s")
     if isinstance(trl, str):
-        print(f"[trl] TRL: {trl}")
-        emit(args.summary, "trl", "TRL GRPOTrainer", trl[:80])
+        print(f"{tag} TRL: {trl}")
+        emit(args.summary, "trl", f"TRL GRPOTrainer, {precision}", trl[:80])
         return out
-    trl_steps = trl["steps_s"][1:] or trl["steps_s"]
-    out["trl_s"] = median(trl_steps)
-    out["ratio"] = out["trl_s"] / out["ours_s"]
-    print(f"[trl] TRL {trl['trl']} GRPOTrainer (loss_type {trl['loss_type']}, threads "
-          f"{trl['threads']}): median {out['trl_s']:.2f}s per step (steps after the first; "
-          f"set-up {trl['setup_s']:.1f}s)")
-    print(f"[trl] ours is {out['ratio']:.2f}x faster per GRPO step (target >= 3x)")
-    emit(args.summary, "trl", "TRL s/GRPO step", round(out["trl_s"], 2), "s")
-    emit(args.summary, "trl", "TRL / ours (speed-up)", round(out["ratio"], 2), "x", ">= 3x")
+    trl_s = median(trl["steps_s"][1:] or trl["steps_s"])
+    ratio = trl_s / ours_s
+    out[f"{precision}.trl_s"], out[f"{precision}.ratio"] = trl_s, ratio
+    print(f"{tag} TRL {trl['trl']} GRPOTrainer (bf16 {trl['bf16']}, loss_type "
+          f"{trl['loss_type']}, gradient checkpointing {trl.get('gradient_checkpointing')}, "
+          f"threads {trl['threads']}; LM forwards {trl.get('forwards')}): median {trl_s:.2f}s "
+          f"per step (steps after the first; set-up {trl['setup_s']:.1f}s)")
+    print(f"{tag} ours {ours_s:.2f}s vs TRL {trl_s:.2f}s per GRPO step: ours is {ratio:.2f}x "
+          f"faster (target >= 3x)")
+    emit(args.summary, "trl", f"TRL s/GRPO step, {precision}", round(trl_s, 2), "s")
+    emit(args.summary, "trl", f"TRL / ours (speed-up), {precision}", round(ratio, 2), "x",
+         ">= 3x")
     return out
 
 

@@ -1,12 +1,26 @@
 """TRL's side of ``bench_trl.py``: GRPO steps with ``trl.GRPOTrainer`` on the embedded model.
 
 Runs in ``.bench-venv`` (TRL is never a dependency of closedloop; this file imports nothing from
-closedloop). Loads the embedded model's safetensors cache folder as a plain HF folder, builds a
-GRPOTrainer (LoRA r=8/alpha 16 on q/k/v/o, beta 0.02 so the KL reference is the adapter-free
-base, 8 prompts x 4 generations x 32 completion tokens, one step per generation batch) and times
-each optimizer step with a callback. Prints one JSON line ``TRL_RESULT {...}``.
+closedloop). Loads the embedded model's safetensors cache folder as a plain HF folder (fp32
+weights), builds a GRPOTrainer (LoRA r=8/alpha 16 on q/k/v/o, beta 0.02 so the KL reference is
+the adapter-free base, 8 prompts x 4 generations x 32 completion tokens, the whole batch of 32
+completions in one pass, one step per generation batch, TRL's other defaults) and times each
+optimizer step with a callback. Prints one JSON line ``TRL_RESULT {...}``.
+
+Precision: fp32 by default (``GRPOConfig(bf16=False)``; TRL's own default would be bf16).
+``--bf16`` is TRL's standard mixed precision, ``GRPOConfig(bf16=True)``: the model stays fp32
+and accelerate runs the wrapped model's forward (and TRL's log-prob forwards) under CPU
+``torch.autocast(bfloat16)``; the backward follows the autocast graph, the optimizer updates
+fp32 LoRA weights. Generation is not covered: ``PeftModel.generate`` calls the base model's own
+forward, which accelerate did not wrap, so TRL's decode steps run in plain fp32 even with
+``--bf16`` (measured: per step, the completion-length decode forwards in fp32 and only the
+policy and reference log-prob forwards under autocast). The result JSON says which
+(``"bf16": true/false``) and counts the causal LM's forwards that ran under bf16 autocast and
+those that ran in plain fp32 (``"forwards"``, over all steps). TRL's default
+``gradient_checkpointing=True`` is kept (reported as ``"gradient_checkpointing"``).
 
     .bench-venv/bin/python benchmarks/trl_grpo_step.py MODEL_DIR PROMPTS_JSON [--steps 3]
+        [--threads 1] [--completion 32] [--generations 4] [--bf16]
 """
 
 from __future__ import annotations
@@ -36,6 +50,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--completion", type=int, default=32)
     ap.add_argument("--generations", type=int, default=4)
+    ap.add_argument("--bf16", action="store_true",
+                    help="TRL's mixed precision: GRPOConfig(bf16=True), bf16 autocast on CPU")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("WANDB_DISABLED", "true")
@@ -52,6 +68,15 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(args.model_dir)
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
     times: list[float] = []
+    # Which forwards of the causal LM ran under bf16 autocast (generation's decode steps
+    # included): a check of what --bf16 really covers, reported in the result.
+    forwards = {"autocast_bf16": 0, "fp32": 0}
+
+    def count_forward(*_: object) -> None:
+        on = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        forwards["autocast_bf16" if on else "fp32"] += 1
+
+    model.register_forward_pre_hook(count_forward)
 
     class Timer(TrainerCallback):
         def on_step_begin(self, *a: object, **k: object) -> None:
@@ -64,7 +89,7 @@ def main() -> None:
     n = len(prompts) * args.generations
     with tempfile.TemporaryDirectory() as out:
         cfg = GRPOConfig(
-            output_dir=out, use_cpu=True, bf16=False, fp16=False,
+            output_dir=out, use_cpu=True, bf16=args.bf16, fp16=False,
             per_device_train_batch_size=n, gradient_accumulation_steps=1,
             num_generations=args.generations, steps_per_generation=1,
             max_completion_length=args.completion, temperature=1.0, top_p=1.0,
@@ -84,6 +109,9 @@ def main() -> None:
 
     print("TRL_RESULT " + json.dumps({"steps_s": times, "setup_s": setup,
                                       "trl": trl.__version__, "loss_type": cfg.loss_type,
+                                      "bf16": bool(cfg.bf16),
+                                      "gradient_checkpointing": bool(cfg.gradient_checkpointing),
+                                      "forwards": forwards,
                                       "threads": torch.get_num_threads()}), flush=True)
 
 

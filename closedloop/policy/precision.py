@@ -3,7 +3,10 @@
 The policy's weights are always float32 masters. ``bfloat16`` changes how every Linear layer
 (base weights, LoRA factors, the vocabulary head) computes, and nothing else:
 
-    y = float32( bf16(x) @ bf16(W)^T ) [+ b]        (float32 accumulation inside the GEMM)
+    y = float32( bf16(x) @ bf16(W)^T ) [+ b]
+
+(the GEMM accumulates in float32 and returns its result rounded to bf16, which is then widened:
+outputs, logits included, carry bf16 precision).
 
 Embeddings, norms, rotary, attention, softmax, residual adds and log-softmax stay float32. On
 CPUs with AMX-BF16 a GEMM of a few hundred rows runs ~5x faster in bf16 than in fp32, and a
@@ -67,6 +70,9 @@ def _bf16_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """The bf16 rule for one ``nn.Linear`` (bound to the module while the context is open)."""
     w = self.weight
     if w.requires_grad:
+        y = nn.functional.linear(x.to(torch.bfloat16), w.to(torch.bfloat16)).float()
+    elif torch.is_inference_mode_enabled():
+        # a copy made here would be an inference tensor, unusable by a later autograd pass
         y = nn.functional.linear(x.to(torch.bfloat16), w.to(torch.bfloat16)).float()
     else:
         key = (w.data_ptr(), w._version)

@@ -152,6 +152,8 @@ def run_trl(model_dir: str, args: argparse.Namespace, bf16: bool) -> dict[str, A
            "--completion", str(args.completion), "--generations", str(args.group)]
     if bf16:
         cmd.append("--bf16")
+    if args.trl_no_checkpointing:
+        cmd.append("--no-gradient-checkpointing")
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False)
     finally:
@@ -177,6 +179,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument("--precision", choices=(*PRECISIONS, "both"), default="both",
                     help="matmul precision of both sides (TRL: --bf16 for bfloat16)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--trl-no-checkpointing", action="store_true",
+                    help="run TRL without its default gradient checkpointing (a stricter peer)")
     ap.add_argument("--no-trl", action="store_true", help="ours only")
     ap.add_argument("--tiny", action="store_true", help="ours only, random tiny model")
     ap.add_argument("--quick", action="store_true", help="ours only, 2 steps, 8 tokens")

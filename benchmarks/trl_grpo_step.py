@@ -17,7 +17,8 @@ forward, which accelerate did not wrap, so TRL's decode steps run in plain fp32 
 policy and reference log-prob forwards under autocast). The result JSON says which
 (``"bf16": true/false``) and counts the causal LM's forwards that ran under bf16 autocast and
 those that ran in plain fp32 (``"forwards"``, over all steps). TRL's default
-``gradient_checkpointing=True`` is kept (reported as ``"gradient_checkpointing"``).
+TRL's default ``gradient_checkpointing=True`` is kept unless ``--no-gradient-checkpointing``
+(reported as ``"gradient_checkpointing"``).
 
     .bench-venv/bin/python benchmarks/trl_grpo_step.py MODEL_DIR PROMPTS_JSON [--steps 3]
         [--threads 1] [--completion 32] [--generations 4] [--bf16]
@@ -50,6 +51,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--completion", type=int, default=32)
     ap.add_argument("--generations", type=int, default=4)
+    ap.add_argument("--no-gradient-checkpointing", action="store_true",
+                    help="turn off TRL's default activation recompute in the backward")
     ap.add_argument("--bf16", action="store_true",
                     help="TRL's mixed precision: GRPOConfig(bf16=True), bf16 autocast on CPU")
     args = ap.parse_args()
@@ -95,7 +98,8 @@ def main() -> None:
             max_completion_length=args.completion, temperature=1.0, top_p=1.0,
             beta=0.02, learning_rate=1e-4, max_steps=args.steps, num_iterations=1,
             logging_steps=1000, save_strategy="no", report_to="none",
-            dataloader_num_workers=0, seed=0)
+            dataloader_num_workers=0, seed=0,
+            gradient_checkpointing=not args.no_gradient_checkpointing)
         lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, bias="none",
                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                           task_type="CAUSAL_LM")

@@ -53,8 +53,12 @@ class TransposedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the layer to ``[..., in]``."""
-        y = torch.matmul(x, self.weight_t)
+        y = self.product(x)
         return y if self.bias is None else y + self.bias
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ weight_t``."""
+        return torch.matmul(x, self.weight_t)
 
 
 class Bf16Linear(TransposedLinear):
@@ -63,10 +67,9 @@ class Bf16Linear(TransposedLinear):
     def __init__(self, weight_t: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__(weight_t.to(torch.bfloat16), bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Apply the layer to ``[..., in]``."""
-        y = bf16_matmul(x, self.weight_t)
-        return y if self.bias is None else y + self.bias
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """``float32(bf16(x) @ weight_t)``."""
+        return bf16_matmul(x, self.weight_t)
 
 
 def is_mergeable_lora(module: nn.Module) -> bool:
@@ -148,4 +151,3 @@ class DecodeCopy:
             if src_t is None:
                 raise KeyError(f"decode copy: the policy has no tensor {name!r} to sync")
             tensor.copy_(src_t)
-

@@ -69,18 +69,18 @@ def bf16_matmul(x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
 def _bf16_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """The bf16 rule for one ``nn.Linear`` (bound to the module while the context is open)."""
     w = self.weight
-    if w.requires_grad:
-        y = nn.functional.linear(x.to(torch.bfloat16), w.to(torch.bfloat16)).float()
-    elif torch.is_inference_mode_enabled():
-        # a copy made here would be an inference tensor, unusable by a later autograd pass
-        y = nn.functional.linear(x.to(torch.bfloat16), w.to(torch.bfloat16)).float()
+    # a trainable weight is cast inside autograd; a copy cached under inference_mode would be
+    # an inference tensor that a later backward cannot save
+    if w.requires_grad or torch.is_inference_mode_enabled():
+        w_bf16 = w.to(torch.bfloat16)
     else:
         key = (w.data_ptr(), w._version)
         cached = self.__dict__.get("_closedloop_bf16")
         if cached is None or cached[0] != key:
             cached = (key, w.detach().to(torch.bfloat16))
             self.__dict__["_closedloop_bf16"] = cached
-        y = nn.functional.linear(x.to(torch.bfloat16), cached[1]).float()
+        w_bf16 = cached[1]
+    y = nn.functional.linear(x.to(torch.bfloat16), w_bf16).float()
     return y if self.bias is None else y + self.bias
 
 

@@ -34,7 +34,8 @@ comes from two brackets; the targets apply within one precision. TRL:
 optimizer step by a callback.
 
     .venv/bin/python benchmarks/bench_trl.py [--steps 2] [--threads 1]
-        [--precision float32|bfloat16|both] [--micro 32] [--quick] [--tiny]
+        [--precision float32|bfloat16|both] [--micro 32] [--trl-no-checkpointing] [--quick]
+        [--tiny]
 Set-up of .bench-venv (once): ``make .bench-venv/.ready`` (or python3 -m venv .bench-venv &&
     .bench-venv/bin/pip install torch==2.13.0 && .bench-venv/bin/pip install trl peft)
 """

@@ -17,11 +17,11 @@ forward, which accelerate did not wrap, so TRL's decode steps run in plain fp32 
 policy and reference log-prob forwards under autocast). The result JSON says which
 (``"bf16": true/false``) and counts the causal LM's forwards that ran under bf16 autocast and
 those that ran in plain fp32 (``"forwards"``, over all steps). TRL's default
-TRL's default ``gradient_checkpointing=True`` is kept unless ``--no-gradient-checkpointing``
-(reported as ``"gradient_checkpointing"``).
+``gradient_checkpointing=True`` is kept unless ``--no-gradient-checkpointing`` (reported as
+``"gradient_checkpointing"``).
 
     .bench-venv/bin/python benchmarks/trl_grpo_step.py MODEL_DIR PROMPTS_JSON [--steps 3]
-        [--threads 1] [--completion 32] [--generations 4] [--bf16]
+        [--threads 1] [--completion 32] [--generations 4] [--bf16] [--no-gradient-checkpointing]
 """
 
 from __future__ import annotations

@@ -32,9 +32,14 @@ def machine_label(when: str = "at start") -> str:
 
 
 def set_threads(threads: int) -> None:
-    """Set torch's intra-op threads (0 leaves the default)."""
+    """Prepare the process as the ``closedloop`` command does: tune the allocator
+    (``closedloop.allocator``, printed), then set torch's intra-op threads (0 leaves the
+    default)."""
     import torch
 
+    from closedloop.allocator import tune_allocator
+
+    print(f"[bench] allocator: {tune_allocator()}")
     if threads:
         torch.set_num_threads(threads)
 

@@ -6,7 +6,8 @@ LoRA r=8 alpha 16 on q/k/v/o, KL beta 0.02 to the adapter-free base, lr 1e-4, te
 the same verifier-free reward (completion length in characters mod 2).
 
 Ours, built from our parts: ``HFGenerator.generate_batch`` over 32 sessions (max_new_tokens=32,
-no stop; the 8 distinct prompts prefilled once; sampling from the generator's decode copy),
+stopping at the tokenizer's EOS id as TRL's generation does; the 8 distinct prompts prefilled
+once; sampling from the generator's decode copy, the lean Llama layout of ``llama_decode``),
 reward, ``grpo`` group credit, a right-padded ``TrainingBatch`` of prompt + completion
 (completions masked in, behaviour log-probs from the generator), ``Trainer.step``
 (reinforce_with_kl, token_mean reducer, each distinct prompt forwarded once per micro-batch for
@@ -93,8 +94,12 @@ class OurGRPOStep:
             text = tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                            add_generation_prompt=True)
             self.prompt_ids.append(tok(text, add_special_tokens=False)["input_ids"])
-        self.gen = HFGenerator(model, tok, stop_token_ids=(), stop_sequences=(), seed=0,
-                               weight_checksum="bench", precision=precision)
+        # TRL stops a completion at its EOS ids (the tokenizer's EOS and the generation
+        # config's: both <|im_end|> for SmolLM2), so ours stops there too.
+        self.gen = HFGenerator(model, tok, stop_token_ids=(int(tok.eos_token_id),),
+                               stop_sequences=(), seed=0, weight_checksum="bench",
+                               precision=precision)
+        self.completion_lengths: list[int] = []
         self.trainer = Trainer(model, TrainerConfig(reducer="token_mean", kl_beta=0.02,
                                                     micro_batch_size=micro, precision=precision),
                                reference=model.disable_adapter)
@@ -108,6 +113,7 @@ class OurGRPOStep:
         for s in sids:
             self.gen.close(s)
         t1 = time.perf_counter()
+        self.completion_lengths += [len(g.action_token_ids) for g in gens]
         rewards = torch.tensor([reward_parity(self.tok.decode(g.action_token_ids))
                                 for g in gens])
         adv = torch.cat([grpo(rewards[i:i + self.group])
@@ -257,6 +263,10 @@ def bracket(ours: OurGRPOStep, precision: str, model_dir: str,
           f"{trl['loss_type']}, gradient checkpointing {trl.get('gradient_checkpointing')}, "
           f"threads {trl['threads']}; LM forwards {trl.get('forwards')}): median {trl_s:.2f}s "
           f"per step (steps after the first; set-up {trl['setup_s']:.1f}s)")
+    mean_len = trl.get("completion_mean_length")
+    ours_len = sum(ours.completion_lengths) / max(1, len(ours.completion_lengths))
+    print(f"{tag} mean completion length (max {args.completion}, stop at EOS): ours "
+          f"{ours_len:.1f}, TRL {mean_len if mean_len is None else round(mean_len, 1)}")
     print(f"{tag} ours {ours_s:.2f}s vs TRL {trl_s:.2f}s per GRPO step: ours is {ratio:.2f}x "
           f"faster (target >= 3x)")
     emit(args.summary, "trl", f"TRL s/GRPO step, {precision}", round(trl_s, 2), "s")

@@ -109,6 +109,8 @@ def main() -> None:
                               callbacks=[Timer()])
         setup = time.perf_counter() - t0
         trainer.train()
+        history = [h for h in trainer.state.log_history if "completions/mean_length" in h]
+        mean_len = float(history[-1]["completions/mean_length"]) if history else None
     import trl
 
     print("TRL_RESULT " + json.dumps({"steps_s": times, "setup_s": setup,
@@ -116,6 +118,7 @@ def main() -> None:
                                       "bf16": bool(cfg.bf16),
                                       "gradient_checkpointing": bool(cfg.gradient_checkpointing),
                                       "forwards": forwards,
+                                      "completion_mean_length": mean_len,
                                       "threads": torch.get_num_threads()}), flush=True)
 
 

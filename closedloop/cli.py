@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from closedloop.allocator import tune_allocator
 from closedloop.contracts import ClosedloopError
 
 
@@ -320,6 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``closedloop`` console script."""
     args = build_parser().parse_args(argv)
+    tune_allocator()
     try:
         return int(args.fn(args))
     except ClosedloopError as exc:

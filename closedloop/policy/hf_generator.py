@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from closedloop.contracts import TOOL_CALL_CLOSE, SamplerConfig
+from closedloop.policy import llama_decode
 from closedloop.policy.decode_copy import DecodeCopy
 from closedloop.policy.generator import (
     ContextOverflowError,
@@ -48,6 +49,7 @@ from closedloop.policy.generator import (
     StopMatcher,
     default_stop_token_ids,
 )
+from closedloop.policy.llama_decode import LlamaDecodeCopy
 from closedloop.policy.precision import check_precision, matmul_precision
 from closedloop.policy.sampling import sample_step
 
@@ -102,10 +104,15 @@ class HFGenerator:
                  reprefill: bool = False, stop_token_ids: Sequence[int] | None = None,
                  stop_sequences: Sequence[str] = (TOOL_CALL_CLOSE,), seed: int = 0,
                  growing_cache: bool = True, max_context: int | None = None,
-                 decode_copy: bool = True, precision: str = "float32") -> None:
+                 decode_copy: bool = True, precision: str = "float32",
+                 lean_decode: bool = True) -> None:
         self.model = model
         self.precision = check_precision(precision)
-        self._decode: DecodeCopy | None = DecodeCopy(model, precision) if decode_copy else None
+        self._decode: DecodeCopy | LlamaDecodeCopy | None = None
+        if decode_copy and lean_decode and llama_decode.supports(model) is None:
+            self._decode = LlamaDecodeCopy(model, precision)
+        elif decode_copy:
+            self._decode = DecodeCopy(model, precision)
         self.max_context = int(max_context or getattr(model.config, "max_position_embeddings",
                                                       None) or 2**31 - 1)
         self.growing_cache = growing_cache
@@ -287,6 +294,9 @@ class HFGenerator:
 
     def _forward(self, input_B_P: torch.Tensor, mask_B_L: torch.Tensor, pos_B_P: torch.Tensor,
                  cache: Any) -> torch.Tensor:
+        if isinstance(self._decode, LlamaDecodeCopy):
+            self.stats.forward_calls += 1
+            return self._decode.last_logits(input_B_P, mask_B_L, pos_B_P, cache)
         if self._decode is not None:
             out = self._decode(input_ids=input_B_P, attention_mask=mask_B_L,
                                position_ids=pos_B_P, cache=cache, use_cache=True,

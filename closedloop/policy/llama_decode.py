@@ -1,0 +1,268 @@
+"""A lean Llama forward for the generator's decode copy: fused projections, no module tree.
+
+``HFGenerator`` spends most of a small-batch decode step outside the matrix products when it
+runs transformers' module forward: per layer it makes seven Linear calls, builds position and
+mask tensors, repeats K/V heads for grouped-query attention and dispatches through several
+module and attention-interface layers. This copy holds the *same function* as a
+``LlamaForCausalLM`` (LoRA merged, ``decode_copy.effective_weight``) in a flat layout and runs it
+directly:
+
+- per layer, ``x @ [Wq; Wk; Wv]^T`` is one GEMM and ``x @ [Wgate; Wup]^T`` another, so a block
+  makes 4 matrix products instead of 7, each weight stored transposed (``[in, out]``);
+- rotary ``cos``/``sin`` are computed once per forward from the position ids;
+- decode attention (one new id per row) is two batched matmuls over the grouped heads,
+  ``q [B, H_kv, g, D] @ K^T [B, H_kv, D, L]``, with no copy of the K/V cache; a prefill (several
+  ids per row) uses ``scaled_dot_product_attention`` with ``enable_gqa``;
+- the vocabulary projection runs on the last position only.
+
+The formula is the model's: ``h = embed(x)``; per layer ``h += o(attn(rope(q), rope(k), v))``
+on ``rmsnorm(h)`` and ``h += down(silu(gate) * up)`` on ``rmsnorm(h)``; ``logits = head(
+rmsnorm(h))``, with RMSNorm ``w * (x * rsqrt(mean(x^2) + eps))``. Keys and values go into the
+caller's transformers cache through ``cache.update`` (the generator's ``GrowingKVLayer``), so
+the cache plumbing (``kv_cache``) is shared with the module path. Attention mask semantics are
+the generator's: ``attention_mask [B, L]`` covers the cached and the new ids (0 = padding), and
+a new id at column ``C + i`` (``C`` cached columns) sees columns ``<= C + i`` that are real. A
+padding query row also sees itself, so its (never used) output stays finite.
+
+Under ``precision="bfloat16"`` every product is ``float32(bf16(x) @ bf16(W'))`` with ``W'`` the
+merged weight rounded once (as ``decode_copy.Bf16Linear``); the rest stays float32.
+
+``supports(model)`` names what this layout cannot express (another architecture, a rope
+scaling, biases on the MLP, sliding windows, LoRA variants); the generator then keeps the
+module copy. Equality with the module forward is tested to fp32 rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from closedloop.policy.decode_copy import effective_weight, is_mergeable_lora
+from closedloop.policy.precision import check_precision
+
+_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def supports(model: Any) -> str | None:
+    """Return ``None`` if ``model`` (a causal LM, or a peft model over one) fits this layout,
+    else the reason it does not."""
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    cfg = getattr(lm, "config", None)
+    if cfg is None or getattr(cfg, "model_type", None) != "llama":
+        return f"not a Llama model ({getattr(cfg, 'model_type', None)!r})"
+    if getattr(cfg, "hidden_act", None) != "silu":
+        return f"activation {cfg.hidden_act!r} (only silu)"
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        return f"rope type {rope.get('rope_type')!r} (only default)"
+    if getattr(cfg, "mlp_bias", False):
+        return "MLP biases"
+    layer_types = getattr(cfg, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types):
+        return "non-full-attention layers"
+    for name, module in lm.named_modules():
+        if name.endswith(_PROJ + _MLP + ("lm_head",)) and not (
+                isinstance(module, nn.Linear) or is_mergeable_lora(module)):
+            return f"{name} is a {type(module).__name__} (not a Linear or a plain LoRA)"
+    return None
+
+
+@dataclass
+class _Layer:
+    ln1: torch.Tensor
+    qkv_t: torch.Tensor
+    qkv_b: torch.Tensor | None
+    o_t: torch.Tensor
+    o_b: torch.Tensor | None
+    ln2: torch.Tensor
+    gate_up_t: torch.Tensor
+    down_t: torch.Tensor
+
+
+class LlamaDecodeCopy:
+    """The generator's flat copy of a Llama policy (module doc). Call ``sync`` after every
+    weight change; ``last_logits`` runs one forward and returns float32 ``[B, V]``."""
+
+    def __init__(self, model: Any, precision: str = "float32") -> None:
+        reason = supports(model)
+        if reason is not None:
+            raise ValueError(f"LlamaDecodeCopy cannot hold this model: {reason}")
+        self.precision = check_precision(precision)
+        self.source = model.get_base_model() if hasattr(model, "get_base_model") else model
+        cfg = self.source.config
+        self.n_heads = int(cfg.num_attention_heads)
+        self.n_kv = int(cfg.num_key_value_heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads)
+        self.eps = float(cfg.rms_norm_eps)
+        self.scale = self.head_dim ** -0.5
+        self.wdtype = torch.float32 if precision == "float32" else torch.bfloat16
+        self.layers: list[_Layer] = []
+        self._keys: dict[str, tuple[Any, ...]] = {}
+        self.embed = self.norm = self.head_t = torch.empty(0)
+        self.sync(force=True)
+
+    @torch.no_grad()
+    def sync(self, force: bool = False) -> None:
+        """Rebuild the tensors whose source weights changed since the last sync (LoRA merged).
+
+        A source tensor counts as changed when its storage or its version counter moved, which
+        every in-place update (optimizer steps, ``copy_``, ``load_state_dict``) does: with LoRA
+        only the adapted projections are rebuilt. A write through ``.data`` bypasses the
+        version counter: after one, call ``sync(force=True)``.
+        """
+        lm = self.source
+        dec = lm.get_decoder()
+        head = lm.get_output_embeddings()
+        if force:
+            self._keys.clear()
+        self.embed = self._fresh("embed", [dec.embed_tokens], self.embed,
+                                 lambda: dec.embed_tokens.weight.detach().clone())
+        self.norm = self._fresh("norm", [dec.norm], self.norm,
+                                lambda: dec.norm.weight.detach().clone())
+        self.head_t = self._fresh("head", [head], self.head_t,
+                                  lambda: self._w_t(effective_weight(head)))
+        self.head_b = _bias(head)
+        rotary = dec.rotary_emb
+        self.inv_freq = rotary.inv_freq.detach().float().clone()
+        self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
+        old: list[_Layer | None] = list(self.layers) or [None] * len(dec.layers)
+        self.layers = [self._layer(i, block, prev) for i, (block, prev)
+                       in enumerate(zip(dec.layers, old, strict=True))]
+
+    def _layer(self, i: int, block: Any, prev: _Layer | None) -> _Layer:
+        att, mlp = block.self_attn, block.mlp
+        qkv_mods = [getattr(att, n) for n in _PROJ[:3]]
+        biases = [_bias(m) for m in qkv_mods]
+
+        def fresh(field: str, modules: list[Any], build: Callable[[], torch.Tensor]
+                  ) -> torch.Tensor:
+            return self._fresh(f"{i}.{field}", modules,
+                               getattr(prev, field) if prev else None, build)
+
+        def norm(module: Any) -> torch.Tensor:
+            return fresh("ln1" if module is block.input_layernorm else "ln2", [module],
+                         lambda: module.weight.detach().clone())
+
+        return _Layer(
+            ln1=norm(block.input_layernorm),
+            qkv_t=fresh("qkv_t", qkv_mods, lambda: self._w_t(
+                torch.cat([effective_weight(m) for m in qkv_mods]))),
+            qkv_b=None if biases[0] is None else torch.cat(biases),  # type: ignore[arg-type]
+            o_t=fresh("o_t", [att.o_proj], lambda: self._w_t(effective_weight(att.o_proj))),
+            o_b=_bias(att.o_proj),
+            ln2=norm(block.post_attention_layernorm),
+            gate_up_t=fresh("gate_up_t", [mlp.gate_proj, mlp.up_proj], lambda: self._w_t(
+                torch.cat([effective_weight(mlp.gate_proj), effective_weight(mlp.up_proj)]))),
+            down_t=fresh("down_t", [mlp.down_proj],
+                         lambda: self._w_t(effective_weight(mlp.down_proj))))
+
+    def _fresh(self, name: str, modules: list[Any], current: torch.Tensor | None,
+               build: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``current`` if ``modules``' tensors and adapter state are unchanged, else ``build()``."""
+        key = tuple(_state_key(m) for m in modules)
+        if current is not None and self._keys.get(name) == key:
+            return current
+        self._keys[name] = key
+        return build()
+
+    def _w_t(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight [out, in]`` stored as a contiguous ``[in, out]`` in the product dtype."""
+        return weight.detach().t().to(self.wdtype).contiguous()
+
+    def _mm(self, x: torch.Tensor, w_t: torch.Tensor, b: torch.Tensor | None = None
+            ) -> torch.Tensor:
+        if self.wdtype is torch.float32:
+            y = torch.matmul(x, w_t)
+        else:
+            y = torch.matmul(x.to(torch.bfloat16), w_t).float()
+        return y if b is None else y + b
+
+    def _rmsnorm(self, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps))
+
+    @torch.no_grad()
+    def last_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    position_ids: torch.Tensor, cache: Any) -> torch.Tensor:
+        """Run ``input_ids [B, P]`` after the cached ids; return the last position's logits.
+
+        ``attention_mask [B, C + P]`` (C = ids already in ``cache``), ``position_ids [B, P]``.
+        Appends the new keys/values to ``cache`` (``cache.update(k, v, layer)``).
+        """
+        b, p = input_ids.shape
+        hq, hkv, d = self.n_heads, self.n_kv, self.head_dim
+        h = self.embed[input_ids]
+        cos, sin = self._rope(position_ids)
+        allowed = _allowed(attention_mask.bool(), p)
+        for i, layer in enumerate(self.layers):
+            x = self._rmsnorm(h, layer.ln1)
+            qkv = self._mm(x, layer.qkv_t, layer.qkv_b)
+            q = qkv[..., :hq * d].view(b, p, hq, d).transpose(1, 2)
+            k = qkv[..., hq * d:(hq + hkv) * d].view(b, p, hkv, d).transpose(1, 2)
+            v = qkv[..., (hq + hkv) * d:].view(b, p, hkv, d).transpose(1, 2)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            keys, values = cache.update(k, v.contiguous(), i)
+            att = self._attend(q, keys, values, allowed)
+            h = h + self._mm(att, layer.o_t, layer.o_b)
+            gu = self._mm(self._rmsnorm(h, layer.ln2), layer.gate_up_t)
+            half = gu.shape[-1] // 2
+            h = h + self._mm(nn.functional.silu(gu[..., :half]) * gu[..., half:], layer.down_t)
+        last = self._rmsnorm(h[:, -1], self.norm)
+        return self._mm(last, self.head_t, self.head_b)
+
+    def _rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos``/``sin`` ``[B, 1, P, D]`` for the positions (the default Llama rotary)."""
+        freqs = position_ids[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return ((emb.cos() * self.rope_scale)[:, None], (emb.sin() * self.rope_scale)[:, None])
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                allowed: torch.Tensor) -> torch.Tensor:
+        """Attention of ``q [B, Hq, P, D]`` over the cache ``[B, Hkv, L, D]``; ``[B, P, Hq*D]``."""
+        b, hq, p, d = q.shape
+        hkv = keys.shape[1]
+        if p == 1:
+            g = hq // hkv
+            scores = torch.matmul(q.reshape(b, hkv, g, d), keys.transpose(-1, -2)) * self.scale
+            scores = scores.masked_fill(~allowed, float("-inf"))  # allowed [B, 1, 1, L]
+            out = torch.matmul(torch.softmax(scores, dim=-1), values)  # [B, Hkv, g, D]
+            return out.reshape(b, 1, hq * d)
+        out = nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=allowed,
+                                                         scale=self.scale, enable_gqa=True)
+        return out.transpose(1, 2).reshape(b, p, hq * d)
+
+
+def _state_key(module: Any) -> tuple[Any, ...]:
+    """Storage, version and shape of every tensor under ``module``, plus its adapter switches."""
+    tensors = tuple((t.data_ptr(), t._version, tuple(t.shape))
+                    for t in [*module.parameters(), *module.buffers()])
+    flags = (getattr(module, "disable_adapters", None), getattr(module, "merged", None),
+             tuple(getattr(module, "active_adapters", ()) or ()),
+             tuple(sorted((getattr(module, "scaling", None) or {}).items())))
+    return (*tensors, flags)
+
+
+def _bias(module: Any) -> torch.Tensor | None:
+    layer = module.base_layer if hasattr(module, "base_layer") else module
+    return None if layer.bias is None else layer.bias.detach().clone()
+
+
+def _allowed(mask_B_L: torch.Tensor, p: int) -> torch.Tensor:
+    """Which keys each new id sees: ``[B, 1, P, L]`` (real and not in its future, or itself)."""
+    length = mask_B_L.shape[1]
+    cached = length - p
+    col_L = torch.arange(length)
+    row_P = torch.arange(p)[:, None] + cached
+    causal_P_L = col_L[None, :] <= row_P
+    return (mask_B_L[:, None, None, :] & causal_P_L) | (col_L[None, :] == row_P)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding ``x * cos + rotate_half(x) * sin`` (Llama's half-split convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

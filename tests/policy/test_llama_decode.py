@@ -1,0 +1,168 @@
+"""The lean Llama decode copy: the policy's function in a flat layout, synced only where changed."""
+
+import pytest
+import torch
+
+from closedloop.contracts import SamplerConfig
+from closedloop.policy import HFGenerator, attach_lora, build_tiny_model
+from closedloop.policy.decode_copy import DecodeCopy
+from closedloop.policy.kv_cache import batch_cache
+from closedloop.policy.llama_decode import LlamaDecodeCopy, supports
+
+
+def _lora(tokenizer, seed=0, kv_heads=None):
+    model = attach_lora(build_tiny_model(tokenizer, seed=0, init_std=0.3, kv_heads=kv_heads),
+                        r=4, alpha=8, seed=1)
+    _perturb(model, seed)
+    return model
+
+
+def _perturb(model, seed, scale=0.05):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.add_(torch.randn(p.shape, generator=g) * scale)
+
+
+def _policy_last_logits(model, rows):
+    """The policy module's next-token logits after each (unpadded) row."""
+    with torch.no_grad():
+        return torch.stack([model(input_ids=torch.tensor([r])).logits[0, -1] for r in rows])
+
+
+def _run(copy, rows, steps):
+    """Prefill ``rows`` (left-padded, empty cache), then feed ``steps`` columns of ids one at a
+    time as the generator does; return the logits after the prefill and after each step."""
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    pos = torch.tensor([[0] * (width - len(r)) + list(range(len(r))) for r in rows])
+    cache = batch_cache([None] * len(rows), 0, width + len(steps))
+    out = [copy.last_logits(ids, mask, pos, cache)]
+    last = pos[:, -1]
+    for col in steps:
+        mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=torch.long)], 1)
+        last = last + 1
+        out.append(copy.last_logits(torch.tensor(col)[:, None], mask, last[:, None], cache))
+    return out
+
+
+@pytest.mark.parametrize("kv_heads", [None, 4], ids=["gqa", "mha"])
+def test_prefill_and_decode_equal_the_policy(tokenizer, kv_heads):
+    model = _lora(tokenizer, kv_heads=kv_heads)
+    copy = LlamaDecodeCopy(model)
+    rows = [[5, 17, 300, 41, 9, 77, 12], [88, 3], [1000, 2000, 30, 4]]
+    steps = [[7, 8, 9], [11, 12, 13], [400, 500, 600]]
+    got = _run(copy, rows, steps)
+    for k, logits in enumerate(got):
+        want = _policy_last_logits(model, [r + [s[b] for s in steps[:k]]
+                                           for b, r in enumerate(rows)])
+        assert float((logits - want).abs().max()) < 1e-4, k
+    with model.disable_adapter():  # the adapter is merged: the base alone differs
+        base = _policy_last_logits(model, rows)
+    assert float((got[0] - base).abs().max()) > 1e-2
+
+
+def test_sync_rebuilds_only_what_changed(tokenizer):
+    model = _lora(tokenizer)
+    copy = LlamaDecodeCopy(model)
+    rows = [[5, 17, 300, 41], [88, 3, 2, 1]]
+    mlp, qkv = copy.layers[0].gate_up_t, copy.layers[0].qkv_t
+    before = _run(copy, rows, [])[0]
+    _perturb(model, seed=7, scale=0.3)
+    assert torch.equal(_run(copy, rows, [])[0], before)  # not published yet
+    copy.sync()
+    assert copy.layers[0].gate_up_t is mlp  # no adapter on the MLP: kept
+    assert copy.layers[0].qkv_t is not qkv
+    assert float((_run(copy, rows, [])[0] - _policy_last_logits(model, rows)).abs().max()) < 1e-4
+    with torch.no_grad():  # a base weight moves in place (full fine-tuning): seen
+        model.get_base_model().model.layers[1].mlp.down_proj.weight.mul_(1.5)
+        model.get_base_model().model.norm.weight.add_(0.1)
+    copy.sync()
+    assert float((_run(copy, rows, [])[0] - _policy_last_logits(model, rows)).abs().max()) < 1e-4
+
+
+def test_a_write_through_data_needs_a_forced_sync(tokenizer):
+    model = _lora(tokenizer)
+    copy = LlamaDecodeCopy(model)
+    rows = [[5, 17, 300, 41]]
+    weight = model.get_base_model().model.layers[0].mlp.up_proj.weight
+    weight.data = weight.data * 2.0  # a new storage: seen without force
+    copy.sync()
+    assert float((_run(copy, rows, [])[0] - _policy_last_logits(model, rows)).abs().max()) < 1e-4
+    weight.data.mul_(0.5)  # same storage, version counter bypassed
+    copy.sync()
+    stale = _run(copy, rows, [])[0]
+    assert float((stale - _policy_last_logits(model, rows)).abs().max()) > 1e-3
+    copy.sync(force=True)
+    assert float((_run(copy, rows, [])[0] - _policy_last_logits(model, rows)).abs().max()) < 1e-4
+
+
+def test_disabling_the_adapter_is_a_change(tokenizer):
+    model = _lora(tokenizer)
+    copy = LlamaDecodeCopy(model)
+    rows = [[5, 17, 300, 41]]
+    with model.disable_adapter():
+        copy.sync()
+        base = _policy_last_logits(model, rows)
+    assert float((_run(copy, rows, [])[0] - base).abs().max()) < 1e-4
+    copy.sync()
+    assert float((_run(copy, rows, [])[0] - _policy_last_logits(model, rows)).abs().max()) < 1e-4
+
+
+def test_bf16_equals_the_module_copy_under_the_same_rule(tokenizer):
+    model = _lora(tokenizer)
+    rows = [[5, 17, 300, 41, 9], [88, 3]]
+    lean = _run(LlamaDecodeCopy(model, "bfloat16"), rows, [[7, 8], [9, 10]])
+    module = _run(_ModuleCopy(DecodeCopy(model, "bfloat16")), rows, [[7, 8], [9, 10]])
+    fp32 = _run(LlamaDecodeCopy(model), rows, [[7, 8], [9, 10]])
+    for a, b, c in zip(lean, module, fp32, strict=True):
+        assert float((a - b).abs().max()) < 2e-2
+        assert float((a - c).abs().max()) > 1e-4  # the bf16 rule is applied
+
+
+class _ModuleCopy:
+    """Adapts ``DecodeCopy``'s module call to ``last_logits``."""
+
+    def __init__(self, copy):
+        self.copy = copy
+
+    def last_logits(self, ids, mask, pos, cache):
+        with torch.no_grad():
+            out = self.copy(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache,
+                            use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1].float()
+
+
+def test_supports_names_what_it_cannot_hold(tokenizer):
+    assert supports(build_tiny_model(tokenizer)) is None
+    model = build_tiny_model(tokenizer)
+    model.config.hidden_act = "gelu"
+    assert "activation" in supports(model)
+    model = build_tiny_model(tokenizer)
+    model.config.rope_parameters = {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}
+    assert "rope" in supports(model)
+    model = build_tiny_model(tokenizer)
+    model.config.model_type = "mistral"
+    assert "Llama" in supports(model)
+    with pytest.raises(ValueError, match="activation"):
+        bad = build_tiny_model(tokenizer)
+        bad.config.hidden_act = "gelu"
+        LlamaDecodeCopy(bad)
+
+
+def test_generator_uses_it_and_samples_as_the_policy(tokenizer, renderer):
+    model = _lora(tokenizer)
+    prompt = renderer.render_prompt("Repair a.json")
+    lean = HFGenerator(model, tokenizer, seed=0)
+    assert isinstance(lean._decode, LlamaDecodeCopy)
+    module = HFGenerator(model, tokenizer, seed=0, lean_decode=False)
+    assert isinstance(module._decode, DecodeCopy)
+    plain = HFGenerator(model, tokenizer, seed=0, decode_copy=False)
+    outs = [g.generate(prompt, SamplerConfig(), renderer.stop_sequences, 16, seed=3)
+            for g in (lean, module, plain)]
+    assert outs[0].action_token_ids == outs[1].action_token_ids == outs[2].action_token_ids
+    for other in outs[1:]:
+        assert max(abs(x - y) for x, y in zip(outs[0].raw_model_logprobs,
+                                              other.raw_model_logprobs, strict=True)) < 1e-4

@@ -1,16 +1,20 @@
 """Benchmark (not a test): multi-turn rollout generation through ``HFGenerator`` (issue 3).
 
-Five modes on the embedded model (fp32 weights), each producing 8-turn episodes of a fixed shape:
+Six modes on the embedded model (fp32 weights), each producing 8-turn episodes of a fixed shape:
 a ~200-token prompt, then per turn exactly ``--action`` (24) sampled action ids (no stop token,
 no stop sequence, so every action runs to ``max_new_tokens``) and ``--obs`` (40) fixed
 observation ids appended with ``extend``:
 
-- ``kv_batched``: G=8 sibling sessions stepped together, KV cache reused across turns (ours);
+- ``kv_batched``: G=8 sibling sessions stepped together, KV cache reused across turns (ours:
+  the generator's default decode copy, ``llama_decode.LlamaDecodeCopy`` for this Llama);
 - ``reprefill_batched``: G=8 together, whole context re-prefilled every turn (``reprefill=True``);
 - ``kv_sequential``: one episode at a time, KV reuse;
 - ``naive``: one episode at a time, whole context re-prefilled every turn;
+- ``kv_batched_module``: as ``kv_batched`` but with the module-tree ``DecodeCopy`` (merged,
+  transposed weights run through transformers' forward, ``lean_decode=False``): the lean
+  layout's gain, side by side;
 - ``kv_batched_native``: as ``kv_batched`` but forwarding the policy module itself instead of
-  the generator's ``DecodeCopy`` (merged, transposed weights): the copy's gain, side by side.
+  a decode copy: the copies' gain, side by side.
 
 Throughput is sampled action tokens per second of generation wall time. One-at-a-time modes
 run ``--seq-episodes`` episodes (default 1; the per-episode cost does not depend on how many
@@ -48,10 +52,11 @@ SYSTEM = "You are a careful agent that repairs files. " * 6
 TOOLS = [{"name": n, "description": f"{n} a file in the workspace",
           "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}
          for n in ("read_file", "write_file", "list_dir")]
-MODES = ("kv_batched", "reprefill_batched", "kv_sequential", "naive", "kv_batched_native")
+MODES = ("kv_batched", "reprefill_batched", "kv_sequential", "naive", "kv_batched_module",
+         "kv_batched_native")
 TARGETS = {"kv_batched/reprefill_batched": 2.0, "kv_batched/kv_sequential": 3.0,
            "kv_batched/naive": 5.0, "kv_sequential/naive": 2.0,
-           "kv_batched/kv_batched_native": 1.0}
+           "kv_batched/kv_batched_module": 1.0, "kv_batched/kv_batched_native": 1.0}
 
 
 def run_episodes(gen: HFGenerator, prompt: list[int], n: int, turns: int, action: int,
@@ -82,7 +87,7 @@ def measure(mode: str, model: object, tok: object, prompt: list[int], args: argp
     reprefill = mode in ("reprefill_batched", "naive")
     gen = HFGenerator(model, tok, reprefill=reprefill, stop_token_ids=(), stop_sequences=(),
                       weight_checksum="bench", decode_copy=mode != "kv_batched_native",
-                      precision=precision)
+                      lean_decode=mode != "kv_batched_module", precision=precision)
     if "batched" in mode:
         new, dt = run_episodes(gen, prompt, args.group, args.turns, args.action, obs_ids, seed)
     else:

@@ -17,9 +17,12 @@ One ``generate_batch`` call steps all its sessions together:
 2. decode: sample each live row (``sampling.sample_step``), append, check stops; a finished row
    leaves the batch and its cache (padding squeezed out) returns to its session.
 
-Forwards run on the generator's own ``DecodeCopy`` of the weights (merged LoRA, transposed
-Linear weights: faster small-batch matmuls), synced from the policy at construction and in
-``refresh_weights``; ``decode_copy=False`` runs the policy module itself. ``precision``
+Forwards run on the generator's own copy of the weights, synced from the policy at
+construction and in ``refresh_weights``: for a Llama policy (``llama_decode.supports``) the
+flat ``LlamaDecodeCopy`` (merged LoRA, fused QKV and gate/up products, grouped decode attention
+without K/V copies; it re-syncs only blocks whose weights changed), otherwise the module-tree
+``DecodeCopy`` (merged LoRA, transposed Linear weights; ``lean_decode=False`` forces it);
+``decode_copy=False`` runs the policy module itself. ``precision``
 (``closedloop.policy.precision``: ``float32`` or ``bfloat16`` matmuls) is applied the same way
 the trainer applies it, so the auditor compares like with like.
 
@@ -142,11 +145,17 @@ class HFGenerator:
             self._checksum = policy_weight_checksum(self.model).combined
         return self._checksum
 
-    def refresh_weights(self, weight_checksum: str | None = None) -> None:
+    def refresh_weights(self, weight_checksum: str | None = None, force: bool = False) -> None:
         """Declare the weights changed: re-sync the decode copy, drop all KV caches, and take
-        ``weight_checksum`` (or recompute it lazily)."""
+        ``weight_checksum`` (or recompute it lazily).
+
+        The lean copy re-syncs the blocks whose tensors moved (storage or version counter);
+        after writes made through ``.data``, pass ``force=True`` to rebuild every block.
+        """
         self._checksum = weight_checksum
-        if self._decode is not None:
+        if isinstance(self._decode, LlamaDecodeCopy):
+            self._decode.sync(force=force)
+        elif self._decode is not None:
             self._decode.sync()
         for s in self._sessions.values():
             s.kv, s.n_cached = None, 0

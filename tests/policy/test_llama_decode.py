@@ -81,6 +81,10 @@ def test_sync_rebuilds_only_what_changed(tokenizer):
         model.get_base_model().model.norm.weight.add_(0.1)
     copy.sync()
     assert float((_run(copy, rows, [])[0] - _policy_last_logits(model, rows)).abs().max()) < 1e-4
+    state = {k: v * 0.9 for k, v in model.state_dict().items() if "lora_A" in k}
+    model.load_state_dict(state, strict=False)  # a checkpoint restore is seen too
+    copy.sync()
+    assert float((_run(copy, rows, [])[0] - _policy_last_logits(model, rows)).abs().max()) < 1e-4
 
 
 def test_a_write_through_data_needs_a_forced_sync(tokenizer):
@@ -166,3 +170,19 @@ def test_generator_uses_it_and_samples_as_the_policy(tokenizer, renderer):
     for other in outs[1:]:
         assert max(abs(x - y) for x, y in zip(outs[0].raw_model_logprobs,
                                               other.raw_model_logprobs, strict=True)) < 1e-4
+
+
+
+def test_refresh_weights_can_force_a_full_sync(tokenizer, renderer):
+    model = _lora(tokenizer)
+    prompt = renderer.render_prompt("Repair a.json")
+    gen = HFGenerator(model, tokenizer, seed=0)
+    plain = HFGenerator(model, tokenizer, seed=0, decode_copy=False)
+    greedy = SamplerConfig(greedy=True)
+    model.get_base_model().model.layers[0].mlp.up_proj.weight.data.mul_(-3.0)
+    want = plain.generate(prompt, greedy, renderer.stop_sequences, 8, seed=0)
+    gen.refresh_weights(force=True)
+    got = gen.generate(prompt, greedy, renderer.stop_sequences, 8, seed=0)
+    assert got.action_token_ids == want.action_token_ids
+    assert max(abs(x - y) for x, y in zip(got.raw_model_logprobs, want.raw_model_logprobs,
+                                          strict=True)) < 1e-4

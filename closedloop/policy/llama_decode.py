@@ -201,24 +201,26 @@ class LlamaDecodeCopy:
         for i, layer in enumerate(self.layers):
             x = self._rmsnorm(h, layer.ln1)
             qkv = self._mm(x, layer.qkv_t, layer.qkv_b)
-            q = qkv[..., :hq * d].view(b, p, hq, d).transpose(1, 2)
-            k = qkv[..., hq * d:(hq + hkv) * d].view(b, p, hkv, d).transpose(1, 2)
+            qk = _rotate(qkv[..., :(hq + hkv) * d].view(b, p, hq + hkv, d), cos, sin)
+            q, k = qk[:, :, :hq].transpose(1, 2), qk[:, :, hq:].transpose(1, 2)
             v = qkv[..., (hq + hkv) * d:].view(b, p, hkv, d).transpose(1, 2)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-            keys, values = cache.update(k, v.contiguous(), i)
+            keys, values = cache.update(k, v, i)
             att = self._attend(q, keys, values, allowed)
             h = h + self._mm(att, layer.o_t, layer.o_b)
             gu = self._mm(self._rmsnorm(h, layer.ln2), layer.gate_up_t)
             half = gu.shape[-1] // 2
-            h = h + self._mm(nn.functional.silu(gu[..., :half]) * gu[..., half:], layer.down_t)
+            act = nn.functional.silu(gu[..., :half], inplace=True).mul_(gu[..., half:])
+            h = h + self._mm(act, layer.down_t)
         last = self._rmsnorm(h[:, -1], self.norm)
         return self._mm(last, self.head_t, self.head_b)
 
     def _rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos``/``sin`` ``[B, 1, P, D]`` for the positions (the default Llama rotary)."""
+        """``cos``/``sin`` ``[B, P, 1, D]`` for the positions (the default Llama rotary), to
+        rotate queries and keys together in their ``[B, P, heads, D]`` layout."""
         freqs = position_ids[..., None].float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
-        return ((emb.cos() * self.rope_scale)[:, None], (emb.sin() * self.rope_scale)[:, None])
+        cos, sin = emb.cos() * self.rope_scale, emb.sin() * self.rope_scale
+        return cos[:, :, None], sin[:, :, None]
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                 allowed: torch.Tensor) -> torch.Tensor:

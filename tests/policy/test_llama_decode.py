@@ -8,6 +8,7 @@ from closedloop.policy import HFGenerator, attach_lora, build_tiny_model
 from closedloop.policy.decode_copy import DecodeCopy
 from closedloop.policy.kv_cache import batch_cache
 from closedloop.policy.llama_decode import LlamaDecodeCopy, supports
+from tests.policy.test_decode_copy import _perturb_lora as _perturb
 
 
 def _lora(tokenizer, seed=0, kv_heads=None):
@@ -15,14 +16,6 @@ def _lora(tokenizer, seed=0, kv_heads=None):
                         r=4, alpha=8, seed=1)
     _perturb(model, seed)
     return model
-
-
-def _perturb(model, seed, scale=0.05):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.add_(torch.randn(p.shape, generator=g) * scale)
 
 
 def _policy_last_logits(model, rows):

@@ -80,6 +80,23 @@ def test_sync_rebuilds_only_what_changed(tokenizer):
     assert float((_run(copy, rows, [])[0] - _policy_last_logits(model, rows)).abs().max()) < 1e-4
 
 
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_copy_shares_no_storage_with_the_policy(tokenizer, precision):
+    model = _lora(tokenizer)
+    copy = LlamaDecodeCopy(model, precision)
+    ours = {t.untyped_storage().data_ptr() for layer in copy.layers
+            for t in vars(layer).values() if t is not None}
+    ours |= {t.untyped_storage().data_ptr() for t in (copy.embed, copy.norm, copy.head_t)}
+    theirs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    assert not ours & theirs
+    rows = [[5, 17, 300, 41]]
+    before = _run(copy, rows, [])[0]
+    with torch.no_grad():  # unadapted weights (MLP, head, norms) move in place
+        model.get_base_model().model.layers[0].mlp.down_proj.weight.mul_(2.0)
+        model.get_base_model().model.embed_tokens.weight.mul_(0.5)
+    assert torch.equal(_run(copy, rows, [])[0], before)  # not published yet
+
+
 def test_a_write_through_data_needs_a_forced_sync(tokenizer):
     model = _lora(tokenizer)
     copy = LlamaDecodeCopy(model)

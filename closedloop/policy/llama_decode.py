@@ -1,9 +1,11 @@
 """A lean Llama forward for the generator's decode copy: fused projections, no module tree.
 
-``HFGenerator`` spends most of a small-batch decode step outside the matrix products when it
-runs transformers' module forward: per layer it makes seven Linear calls, builds position and
-mask tensors, repeats K/V heads for grouped-query attention and dispatches through several
-module and attention-interface layers. This copy holds the *same function* as a
+Run through transformers' module forward, a small-batch decode step spends a large share of its
+time outside the matrix products: per layer seven Linear calls, position and mask tensors,
+K/V heads repeated for grouped-query attention, dispatch through module and attention-interface
+layers. (Measured on SmolLM2, 1 thread: the GRPO benchmark's B=32 bf16 generation took 5.4-6.1 s
+through the module copy and 4.5-4.8 s through this one; the 8-turn G=8 generation benchmark
+gained 1.16x in fp32 and 1.04x in bf16.) This copy holds the *same function* as a
 ``LlamaForCausalLM`` (LoRA merged, ``decode_copy.effective_weight``) in a flat layout and runs it
 directly:
 
@@ -29,7 +31,8 @@ merged weight rounded once (as ``decode_copy.Bf16Linear``); the rest stays float
 
 ``supports(model)`` names what this layout cannot express (another architecture, a rope
 scaling, biases on the MLP, sliding windows, LoRA variants); the generator then keeps the
-module copy. Equality with the module forward is tested to fp32 rounding.
+module copy. Equality with the module forward is tested to fp32 rounding. The copy never shares
+storage with the policy: an update reaches sampling only through ``sync``.
 """
 
 from __future__ import annotations

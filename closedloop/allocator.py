@@ -11,13 +11,13 @@ alone take 6.2 ms), and the GRPO benchmark's update 7-12% less in two A/B runs.
 ``tune_allocator()`` sets, with ``mallopt``:
 
 - ``M_MMAP_THRESHOLD`` = 32 MiB (glibc's maximum): blocks up to 32 MiB come from the heap and
-  are reused; larger ones (a whole-vocabulary logits chunk over many rows) are still mapped,
-  which is why the scoring code keeps its chunks under it (``logprobs.score_targets``);
+  are reused; larger ones (a whole-vocabulary logits chunk over many rows) are still mapped.
+  Capping the scoring chunks under it was measured neutral, so they were left as they are;
 - ``M_TRIM_THRESHOLD`` = 1 GiB and ``M_TOP_PAD`` = 256 MiB: freed heap memory stays mapped
   for the next pass.
 
-The cost is resident memory: the process keeps its high-water mark of freed blocks (a few
-hundred MB for the smoke run). It changes no result, only where bytes come from. The CLI and
+The cost is resident memory: the process keeps freed blocks, up to its high-water mark,
+instead of returning them to the OS. It changes no result, only where bytes come from. The CLI and
 the benchmarks call it once at start; a library user may call it too. It is a no-op (with the
 reason returned) where libc is not glibc.
 """

@@ -18,7 +18,7 @@ One ``generate_batch`` call steps all its sessions together:
    leaves the batch and its cache (padding squeezed out) returns to its session.
 
 Forwards run on the generator's own copy of the weights, synced from the policy at
-construction and in ``refresh_weights``: for a Llama policy (``llama_decode.supports``) the
+construction and in ``refresh_weights``: for a Llama policy (``llama_decode.supports``), the
 flat ``LlamaDecodeCopy`` (merged LoRA, fused QKV and gate/up products, grouped decode attention
 without K/V copies; it re-syncs only blocks whose weights changed), otherwise the module-tree
 ``DecodeCopy`` (merged LoRA, transposed Linear weights; ``lean_decode=False`` forces it);
@@ -42,7 +42,6 @@ from typing import Any
 import torch
 
 from closedloop.contracts import TOOL_CALL_CLOSE, SamplerConfig
-from closedloop.policy import llama_decode
 from closedloop.policy.decode_copy import DecodeCopy
 from closedloop.policy.generator import (
     ContextOverflowError,
@@ -52,7 +51,7 @@ from closedloop.policy.generator import (
     StopMatcher,
     default_stop_token_ids,
 )
-from closedloop.policy.llama_decode import LlamaDecodeCopy
+from closedloop.policy.llama_decode import LlamaDecodeCopy, supports
 from closedloop.policy.precision import check_precision, matmul_precision
 from closedloop.policy.sampling import sample_step
 
@@ -112,7 +111,7 @@ class HFGenerator:
         self.model = model
         self.precision = check_precision(precision)
         self._decode: DecodeCopy | LlamaDecodeCopy | None = None
-        if decode_copy and lean_decode and llama_decode.supports(model) is None:
+        if decode_copy and lean_decode and supports(model) is None:
             self._decode = LlamaDecodeCopy(model, precision)
         elif decode_copy:
             self._decode = DecodeCopy(model, precision)

@@ -26,8 +26,6 @@ import torch
 
 from closedloop.contracts import ContractError
 
-CHUNK_BYTES = 24 * 2**20  # float32 logits per scoring chunk (under glibc's 32 MiB mmap cap)
-
 
 class LogprobInputError(ContractError):
     """Ids and masks disagree in shape, or a row's real tokens are not contiguous."""
@@ -69,19 +67,11 @@ def checked_targets(ids_B_T: torch.Tensor, attention_mask_B_T: torch.Tensor | No
 
 def score_targets(head: Any, hidden_N_H: torch.Tensor, tgt_N: torch.Tensor,
                   chunk_size: int) -> torch.Tensor:
-    """Return float32 ``logit[tgt] - logsumexp(logits)`` ``[N]``, projecting in chunks.
-
-    A chunk has at most ``chunk_size`` rows and at most ``CHUNK_BYTES`` of float32 logits
-    (128 rows of SmolLM2's 49,152-id vocabulary): a block that size is reused from the heap
-    once ``closedloop.allocator`` is tuned, where a bigger one is mapped and page-faulted anew
-    on every chunk, in the forward and again in the backward.
-    """
-    vocab = int(getattr(head, "out_features", 0) or head.weight.shape[0])
-    rows = max(1, min(chunk_size, CHUNK_BYTES // (4 * vocab)))
+    """Return float32 ``logit[tgt] - logsumexp(logits)`` ``[N]``, projecting in chunks."""
     parts = []
-    for lo in range(0, hidden_N_H.shape[0], rows):
-        logits_n_V = head(hidden_N_H[lo:lo + rows]).float()
-        picked_n = logits_n_V.gather(-1, tgt_N[lo:lo + rows, None]).squeeze(-1)
+    for lo in range(0, hidden_N_H.shape[0], chunk_size):
+        logits_n_V = head(hidden_N_H[lo:lo + chunk_size]).float()
+        picked_n = logits_n_V.gather(-1, tgt_N[lo:lo + chunk_size, None]).squeeze(-1)
         parts.append(picked_n - torch.logsumexp(logits_n_V, dim=-1))
     return torch.cat(parts) if parts else hidden_N_H.new_zeros(0, dtype=torch.float32)
 

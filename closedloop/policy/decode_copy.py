@@ -96,6 +96,12 @@ def effective_weight(module: Any) -> torch.Tensor:
     return weight
 
 
+def effective_bias(module: Any) -> torch.Tensor | None:
+    """The bias a Linear or a LoRA wrapper (its base layer's) adds, detached; or ``None``."""
+    layer = module.base_layer if hasattr(module, "base_layer") else module
+    return None if layer.bias is None else layer.bias.detach()
+
+
 class DecodeCopy:
     """A decode-layout copy of a causal LM (or of a peft model's base); see the module doc."""
 
@@ -123,8 +129,7 @@ class DecodeCopy:
             if any(name.startswith(done + ".") for done in names):
                 continue  # inside a wrapper already replaced
             src = self.source.get_submodule(name)
-            bias = module.base_layer.bias if hasattr(module, "base_layer") else module.bias
-            bias = None if bias is None else bias.detach()
+            bias = effective_bias(module)
             kind = TransposedLinear if self.precision == "float32" else Bf16Linear
             layer = kind(effective_weight(src).t(), bias)
             parent, _, child = name.rpartition(".")
@@ -139,7 +144,7 @@ class DecodeCopy:
             dst: Any = self.model.get_submodule(name)
             src: Any = self.source.get_submodule(name)
             dst.weight_t.copy_(effective_weight(src).t())
-            bias = src.base_layer.bias if hasattr(src, "base_layer") else src.bias
+            bias = effective_bias(src)
             if bias is not None:
                 dst.bias.copy_(bias)
         params = dict(self.source.named_parameters())

@@ -303,19 +303,18 @@ class HFGenerator:
     def _forward(self, input_B_P: torch.Tensor, mask_B_L: torch.Tensor, pos_B_P: torch.Tensor,
                  cache: Any) -> torch.Tensor:
         if isinstance(self._decode, LlamaDecodeCopy):
-            self.stats.forward_calls += 1
-            return self._decode.last_logits(input_B_P, mask_B_L, pos_B_P, cache)
-        if self._decode is not None:
-            out = self._decode(input_ids=input_B_P, attention_mask=mask_B_L,
-                               position_ids=pos_B_P, cache=cache, use_cache=True,
-                               logits_to_keep=1)
+            logits_B_V = self._decode.last_logits(input_B_P, mask_B_L, pos_B_P, cache)
         else:
-            with matmul_precision(self.model, self.precision):
-                out = self.model(input_ids=input_B_P, attention_mask=mask_B_L,
-                                 position_ids=pos_B_P, cache=cache, use_cache=True,
-                                 logits_to_keep=1)
+            kwargs = dict(input_ids=input_B_P, attention_mask=mask_B_L, position_ids=pos_B_P,
+                          cache=cache, use_cache=True, logits_to_keep=1)
+            if self._decode is not None:
+                out = self._decode(**kwargs)
+            else:
+                with matmul_precision(self.model, self.precision):
+                    out = self.model(**kwargs)
+            logits_B_V = out.logits[:, -1, :].float()
         self.stats.forward_calls += 1
-        return out.logits[:, -1, :].float()
+        return logits_B_V
 
     def _finish(self, st: _Session, row: _Row, cache: Any, j: int, mask_L: torch.Tensor) -> None:
         """Hand a finished row's ids and its cache (padding squeezed out) back to its session."""

@@ -44,8 +44,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from closedloop.policy.decode_copy import effective_weight, is_mergeable_lora
-from closedloop.policy.precision import check_precision
+from closedloop.policy.decode_copy import effective_bias, effective_weight, is_mergeable_lora
+from closedloop.policy.precision import bf16_matmul, check_precision
 
 _PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
@@ -179,10 +179,7 @@ class LlamaDecodeCopy:
 
     def _mm(self, x: torch.Tensor, w_t: torch.Tensor, b: torch.Tensor | None = None
             ) -> torch.Tensor:
-        if self.wdtype is torch.float32:
-            y = torch.matmul(x, w_t)
-        else:
-            y = torch.matmul(x.to(torch.bfloat16), w_t).float()
+        y = torch.matmul(x, w_t) if self.wdtype is torch.float32 else bf16_matmul(x, w_t)
         return y if b is None else y + b
 
     def _rmsnorm(self, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -252,8 +249,9 @@ def _state_key(module: Any) -> tuple[Any, ...]:
 
 
 def _bias(module: Any) -> torch.Tensor | None:
-    layer = module.base_layer if hasattr(module, "base_layer") else module
-    return None if layer.bias is None else layer.bias.detach().clone()
+    """A copy of the module's ``effective_bias`` (or ``None``)."""
+    bias = effective_bias(module)
+    return None if bias is None else bias.clone()
 
 
 def _allowed(mask_B_L: torch.Tensor, p: int) -> torch.Tensor:

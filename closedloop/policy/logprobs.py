@@ -13,8 +13,9 @@ computes only the action positions. Real tokens must be contiguous in each row (
 padding); positions are ``cumsum(m) - 1``, as in the generator.
 
 Memory: the vocabulary projection runs only at the ``N`` target positions, in chunks of
-``chunk_size`` rows, as ``logit[x] - logsumexp(logits)``: no ``[B, T, V]`` log-softmax, and
-no ``[B, T, V]`` logits unless every position is a target. Gradients flow (call under
+``chunk_size`` rows, as ``logit[x] - logsumexp(logits)`` (``closedloop.policy.vocab_scoring``:
+vocabulary slices kept in the heap, an in-place backward): no ``[B, T, V]`` log-softmax and no
+``[B, T, V]`` logits. Gradients flow (call under
 ``torch.no_grad()`` to score without them).
 """
 
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 
 from closedloop.contracts import ContractError
+from closedloop.policy.vocab_scoring import target_logprobs
 
 
 class LogprobInputError(ContractError):
@@ -43,7 +45,7 @@ def sequence_logprobs(model: Any, token_ids_B_T: torch.Tensor,
     hidden_B_T_H = decoder(input_ids=ids, attention_mask=mask, position_ids=positions,
                            use_cache=False).last_hidden_state
     hidden_N_H = hidden_B_T_H[:, :-1][sel_B_Tm1]
-    lp_N = score_targets(head, hidden_N_H, ids[:, 1:][sel_B_Tm1], chunk_size)
+    lp_N = target_logprobs(head, hidden_N_H, ids[:, 1:][sel_B_Tm1], chunk_size)
     out_B_Tm1 = torch.zeros(sel_B_Tm1.shape, dtype=torch.float32, device=ids.device)
     return out_B_Tm1.masked_scatter(sel_B_Tm1, lp_N)
 
@@ -63,17 +65,6 @@ def checked_targets(ids_B_T: torch.Tensor, attention_mask_B_T: torch.Tensor | No
             raise LogprobInputError(f"target mask must be [B, T-1] = {tuple(sel_B_Tm1.shape)}")
         sel_B_Tm1 = sel_B_Tm1 & target_mask_B_T.bool()
     return mask, sel_B_Tm1
-
-
-def score_targets(head: Any, hidden_N_H: torch.Tensor, tgt_N: torch.Tensor,
-                  chunk_size: int) -> torch.Tensor:
-    """Return float32 ``logit[tgt] - logsumexp(logits)`` ``[N]``, projecting in chunks."""
-    parts = []
-    for lo in range(0, hidden_N_H.shape[0], chunk_size):
-        logits_n_V = head(hidden_N_H[lo:lo + chunk_size]).float()
-        picked_n = logits_n_V.gather(-1, tgt_N[lo:lo + chunk_size, None]).squeeze(-1)
-        parts.append(picked_n - torch.logsumexp(logits_n_V, dim=-1))
-    return torch.cat(parts) if parts else hidden_N_H.new_zeros(0, dtype=torch.float32)
 
 
 def _check_contiguous(mask_B_T: torch.Tensor) -> None:

@@ -66,22 +66,39 @@ def bf16_matmul(x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
     return torch.matmul(x.to(torch.bfloat16), weight_t).float()
 
 
+def bf16_weight(linear: nn.Linear) -> torch.Tensor:
+    """The bf16 copy of ``linear.weight`` that the bf16 rule multiplies by.
+
+    A trainable weight is cast inside autograd on every call; a frozen one is cast once and
+    cached against its storage pointer and version counter. Under ``inference_mode`` nothing is
+    cached: the copy would be an inference tensor that a later backward cannot save.
+    """
+    w = linear.weight
+    if w.requires_grad or torch.is_inference_mode_enabled():
+        return w.to(torch.bfloat16)
+    key = (w.data_ptr(), w._version)
+    cached = linear.__dict__.get("_closedloop_bf16")
+    if cached is None or cached[0] != key:
+        cached = (key, w.detach().to(torch.bfloat16))
+        linear.__dict__["_closedloop_bf16"] = cached
+    return cached[1]
+
+
 def _bf16_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """The bf16 rule for one ``nn.Linear`` (bound to the module while the context is open)."""
-    w = self.weight
-    # a trainable weight is cast inside autograd; a copy cached under inference_mode would be
-    # an inference tensor that a later backward cannot save
-    if w.requires_grad or torch.is_inference_mode_enabled():
-        w_bf16 = w.to(torch.bfloat16)
-    else:
-        key = (w.data_ptr(), w._version)
-        cached = self.__dict__.get("_closedloop_bf16")
-        if cached is None or cached[0] != key:
-            cached = (key, w.detach().to(torch.bfloat16))
-            self.__dict__["_closedloop_bf16"] = cached
-        w_bf16 = cached[1]
-    y = nn.functional.linear(x.to(torch.bfloat16), w_bf16).float()
+    y = nn.functional.linear(x.to(torch.bfloat16), bf16_weight(self)).float()
     return y if self.bias is None else y + self.bias
+
+
+def linear_precision(linear: nn.Linear) -> str | None:
+    """The precision an ``nn.Linear`` computes in right now: ``float32`` (its own forward),
+    ``bfloat16`` (the rule bound by ``matmul_precision``), or ``None`` (another patch)."""
+    bound = linear.__dict__.get("forward")
+    if bound is None:
+        return "float32"
+    if getattr(bound, "__func__", None) is _bf16_linear_forward:
+        return "bfloat16"
+    return None
 
 
 @contextlib.contextmanager

@@ -40,9 +40,9 @@ from closedloop.policy.logprobs import (
     LogprobInputError,
     _decoder_and_head,
     checked_targets,
-    score_targets,
     sequence_logprobs,
 )
+from closedloop.policy.vocab_scoring import target_logprobs
 
 
 def prompt_prefix_lengths(target_mask_B_T: torch.Tensor) -> torch.Tensor:
@@ -121,7 +121,7 @@ def _shared_rows(model: Any, ids_S_T: torch.Tensor, mask_S_T: torch.Tensor,
     hidden_N_H = _target_hidden(pre.last_hidden_state, suf.last_hidden_state, sel_S_Tm1,
                                 p_S, inv_S)
     tgt_N = ids_S_T[:, 1:][sel_S_Tm1]
-    lp_N = score_targets(head, hidden_N_H, tgt_N, chunk_size)
+    lp_N = target_logprobs(head, hidden_N_H, tgt_N, chunk_size)
     out_S_Tm1 = torch.zeros(sel_S_Tm1.shape, dtype=torch.float32, device=ids_S_T.device)
     return out_S_Tm1.masked_scatter(sel_S_Tm1, lp_N)
 

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from closedloop.contracts import SamplerConfig
-from closedloop.policy import HFGenerator, attach_lora, build_tiny_model
+from closedloop.policy import HFGenerator, attach_lora, build_tiny_model, llama_decode
 from closedloop.policy.decode_copy import DecodeCopy
 from closedloop.policy.kv_cache import batch_cache
-from closedloop.policy.llama_decode import LlamaDecodeCopy, supports
+from closedloop.policy.llama_decode import LlamaDecodeCopy, onednn_bf16_packing, supports
 from tests.policy.test_decode_copy import _perturb_lora as _perturb
 
 
@@ -84,9 +84,12 @@ def test_sync_rebuilds_only_what_changed(tokenizer):
 def test_copy_shares_no_storage_with_the_policy(tokenizer, precision):
     model = _lora(tokenizer)
     copy = LlamaDecodeCopy(model, precision)
-    ours = {t.untyped_storage().data_ptr() for layer in copy.layers
-            for t in vars(layer).values() if t is not None}
-    ours |= {t.untyped_storage().data_ptr() for t in (copy.embed, copy.norm, copy.head_t)}
+    tensors = [t for layer in copy.layers for t in vars(layer).values() if t is not None]
+    tensors += [copy.embed, copy.norm, copy.head_t]
+    # bf16 weights are oneDNN-packed where the CPU has native bf16: fresh opaque buffers
+    packed = precision == "bfloat16" and onednn_bf16_packing()
+    assert any(t.is_mkldnn for t in tensors) == packed
+    ours = {t.untyped_storage().data_ptr() for t in tensors if not t.is_mkldnn}
     theirs = {p.untyped_storage().data_ptr() for p in model.parameters()}
     assert not ours & theirs
     rows = [[5, 17, 300, 41]]
@@ -125,10 +128,16 @@ def test_disabling_the_adapter_is_a_change(tokenizer):
     assert float((_run(copy, rows, [])[0] - _policy_last_logits(model, rows)).abs().max()) < 1e-4
 
 
-def test_bf16_equals_the_module_copy_under_the_same_rule(tokenizer):
+@pytest.mark.parametrize("packing", [True, False], ids=["onednn-packed", "strided"])
+def test_bf16_equals_the_module_copy_under_the_same_rule(tokenizer, monkeypatch, packing):
+    if packing and not onednn_bf16_packing():
+        pytest.skip("this CPU has no native bf16: the strided layout is the only one")
+    monkeypatch.setattr(llama_decode, "onednn_bf16_packing", lambda: packing)
     model = _lora(tokenizer)
     rows = [[5, 17, 300, 41, 9], [88, 3]]
-    lean = _run(LlamaDecodeCopy(model, "bfloat16"), rows, [[7, 8], [9, 10]])
+    copy = LlamaDecodeCopy(model, "bfloat16")
+    assert copy.layers[0].qkv_t.is_mkldnn == packing
+    lean = _run(copy, rows, [[7, 8], [9, 10]])
     module = _run(_ModuleCopy(DecodeCopy(model, "bfloat16")), rows, [[7, 8], [9, 10]])
     fp32 = _run(LlamaDecodeCopy(model), rows, [[7, 8], [9, 10]])
     for a, b, c in zip(lean, module, fp32, strict=True):

@@ -21,7 +21,8 @@ second backward through the same graph (``retain_graph=True``) recomputes the sl
 The matmul precision of the head is kept (``closedloop.policy.precision``): under ``bfloat16``
 both products round their operands to bf16 and accumulate in fp32, as ``nn.Linear`` under
 ``matmul_precision`` does, forward and backward. Heads that are not a plain float32
-``nn.Linear`` (a LoRA-wrapped head, a patched forward, a model cast to bf16) go through
+``nn.Linear`` (a LoRA-wrapped head, a patched forward, a model cast to bf16, a forward under
+``torch.autocast``) go through
 ``head(h)`` in row chunks, with a backward that makes one softmax and updates it in place
 (``_TargetLogSoftmax``). Values equal the autograd chain's up to fp32 summation order (the
 logsumexp is combined across slices).
@@ -49,8 +50,9 @@ def target_logprobs(head: Any, hidden_N_H: torch.Tensor, tgt_N: torch.Tensor,
     ``hidden`` and to the head's parameters that require them."""
     if hidden_N_H.shape[0] == 0:
         return hidden_N_H.new_zeros(0, dtype=torch.float32)
-    precision = (linear_precision(head) if type(head) is nn.Linear
-                 and head.weight.dtype == torch.float32 == hidden_N_H.dtype else None)
+    plain = (type(head) is nn.Linear and head.weight.dtype == torch.float32 == hidden_N_H.dtype
+             and not torch.is_autocast_enabled(hidden_N_H.device.type))
+    precision = linear_precision(head) if plain else None
     parts = []
     for lo in range(0, hidden_N_H.shape[0], chunk_size):
         h_n_H, tgt_n = hidden_N_H[lo:lo + chunk_size], tgt_N[lo:lo + chunk_size]

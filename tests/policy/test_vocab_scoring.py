@@ -123,6 +123,24 @@ def test_a_head_in_another_dtype_scores_in_float32():
     torch.testing.assert_close(lp.detach(), _reference(head, h, tgt).detach())
 
 
+def test_under_autocast_the_head_computes_as_autocast_says():
+    """The SFT warm start runs under ``torch.autocast``: the head's product follows it."""
+    torch.manual_seed(4)
+    head = nn.Linear(16, 3000)
+    h = torch.randn(7, 16, requires_grad=True)
+    tgt = torch.randint(0, 3000, (7,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lp = target_logprobs(head, h, tgt)
+        ref = _reference(head, h, tgt)
+        (dh,) = torch.autograd.grad(lp.sum(), [h])
+        (ref_dh,) = torch.autograd.grad(ref.sum(), [h])
+    assert lp.dtype == torch.float32
+    torch.testing.assert_close(lp, ref)
+    torch.testing.assert_close(dh, ref_dh)
+    fp32 = target_logprobs(head, h, tgt)
+    assert float((fp32 - lp).detach().abs().max()) > 1e-4  # autocast did apply
+
+
 def test_no_targets_give_an_empty_result():
     out = target_logprobs(nn.Linear(4, 9), torch.zeros(0, 4), torch.zeros(0, dtype=torch.long))
     assert out.shape == (0,) and out.dtype == torch.float32

@@ -15,8 +15,7 @@ padding); positions are ``cumsum(m) - 1``, as in the generator.
 Memory: the vocabulary projection runs only at the ``N`` target positions, in chunks of
 ``chunk_size`` rows, as ``logit[x] - logsumexp(logits)`` (``closedloop.policy.vocab_scoring``:
 vocabulary slices kept in the heap, an in-place backward): no ``[B, T, V]`` log-softmax and no
-``[B, T, V]`` logits. Gradients flow (call under
-``torch.no_grad()`` to score without them).
+``[B, T, V]`` logits. Gradients flow (call under ``torch.no_grad()`` to score without them).
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ alone take 6.2 ms), and the GRPO benchmark's update 7-12% less in two A/B runs.
 ``tune_allocator()`` sets, with ``mallopt``:
 
 - ``M_MMAP_THRESHOLD`` = 32 MiB (glibc's maximum): blocks up to 32 MiB come from the heap and
-  are reused; larger ones (a whole-vocabulary logits chunk over many rows) are still mapped.
-  Capping the scoring chunks under it was measured neutral, so they were left as they are;
+  are reused; larger ones are still mapped and page-faulted anew on every use, which is why
+  ``policy.vocab_scoring`` projects the vocabulary in slices under it;
 - ``M_TRIM_THRESHOLD`` = 1 GiB and ``M_TOP_PAD`` = 256 MiB: freed heap memory stays mapped
   for the next pass.
 

@@ -191,7 +191,6 @@ def test_generator_uses_it_and_samples_as_the_policy(tokenizer, renderer):
                                               other.raw_model_logprobs, strict=True)) < 1e-4
 
 
-
 def test_refresh_weights_can_force_a_full_sync(tokenizer, renderer):
     model = _lora(tokenizer)
     prompt = renderer.render_prompt("Repair a.json")

@@ -4,7 +4,15 @@ Same output contract as ``closedloop.policy.logprobs.sequence_logprobs`` (float3
 ``out[b, t] = log π(x[b, t+1] | x[b, <=t])`` where the target mask is 1, else 0), computed so
 that rows sharing a prefix (GRPO siblings: one prompt, G completions) run it through the decoder
 once instead of G times. ``prefix_len_B[b] = p`` names the prefix ``x[b, :p]``; rows are
-deduplicated by the exact tuple of their prefix ids. Algorithm, for the rows with ``p > 0``:
+deduplicated by the exact tuple of their prefix ids.
+
+For decoders whose attention is ``sdpa`` or ``eager`` (``packed_prefix.packs``), the rows with
+``p > 0`` take **one decoder call over unpadded tokens**: every distinct prefix once, then every
+row's suffix ``x[b, p:len_b]``, in one packed row with explicit positions, and an attention that
+lets each suffix see its own prefix and its own earlier tokens (``closedloop.policy.
+packed_prefix``). The dense work (projections, MLPs, norms) then runs on real tokens only.
+
+Otherwise they take **two passes over a shared cache**:
 
 1. prefix pass: the ``U`` distinct prefixes, right-padded to ``L = max p`` (mask ``1..1 0..0``,
    positions ``0..L-1``), through the decoder with ``use_cache=True``. Right padding keeps every
@@ -15,19 +23,20 @@ deduplicated by the exact tuple of their prefix ids. Algorithm, for the rows wit
 3. suffix pass: ``x[b, p:len_b]`` right-padded to ``Ls``, attention mask
    ``cat(prefix mask of b's prefix, suffix mask)``, positions ``p + 0..Ls-1``. The padded
    prefix slots between a short prefix and its suffix are masked (0) and positions are
-   explicit, so a row sees exactly ``x[b, :len_b]`` at positions ``0..len_b-1``;
-4. the hidden state predicting target ``t`` is the prefix pass's ``[u(b), t]`` if ``t < p``
-   (``t = p - 1`` predicts the first suffix token) else the suffix pass's ``[b, t - p]``; the
-   vocabulary projection runs at target positions only, in chunks, as
-   ``logit[x] - logsumexp(logits)``.
+   explicit, so a row sees exactly ``x[b, :len_b]`` at positions ``0..len_b-1``.
+
+In both layouts the hidden state predicting target ``t`` is the prefix's at ``t`` if ``t < p``
+(``t = p - 1`` predicts the first suffix token) else the suffix's at ``t - p``; the vocabulary
+projection runs at target positions only, in chunks, as ``logit[x] - logsumexp(logits)``.
 
 Rows with ``p = 0`` and at least one target go through ``sequence_logprobs`` (one more decoder
 call); rows without targets are all zeros and are not forwarded. A row whose prefix nobody else
 shares is still exact in the shared path (a group of one, same token count). Equal to the
 unshared path up to floating-point summation order (attention over a concatenated cache, the
 gradient summed over siblings). With dropout > 0 the siblings share one dropout mask on the
-prefix. Supports the decoders whose cache is made of transformers ``DynamicLayer`` (full
-attention, e.g. Llama); tested with the ``sdpa`` and ``eager`` attention implementations.
+prefix. The two-pass layout supports the decoders whose cache is made of transformers
+``DynamicLayer`` (full attention, e.g. Llama); both layouts are tested with the ``sdpa`` and
+``eager`` attention implementations (the two-pass one by forcing it).
 """
 
 from __future__ import annotations
@@ -41,6 +50,12 @@ from closedloop.policy.logprobs import (
     _decoder_and_head,
     checked_targets,
     sequence_logprobs,
+)
+from closedloop.policy.packed_prefix import (
+    PackedLayout,
+    packed_decoder_call,
+    packed_layout,
+    packs,
 )
 from closedloop.policy.vocab_scoring import target_logprobs
 
@@ -106,6 +121,40 @@ def _shared_rows(model: Any, ids_S_T: torch.Tensor, mask_S_T: torch.Tensor,
     """Log-probs ``[S, T-1]`` of right-padded rows whose prefixes ``p_S`` are all >= 1."""
     decoder, head = _decoder_and_head(model)
     pre_ids_U_L, pre_len_U, inv_S = _unique_prefixes(ids_S_T, p_S)
+    tgt_N = ids_S_T[:, 1:][sel_S_Tm1]
+    out_S_Tm1 = torch.zeros(sel_S_Tm1.shape, dtype=torch.float32, device=ids_S_T.device)
+    if packs(decoder):
+        suf_ids_S_Ls, suf_mask_S_Ls = _suffixes(ids_S_T, mask_S_T, p_S)
+        layout = packed_layout(pre_ids_U_L, pre_len_U, suf_ids_S_Ls, suf_mask_S_Ls.sum(1), inv_S)
+        hidden_N_H = _packed_target_hidden(packed_decoder_call(decoder, layout), layout,
+                                           sel_S_Tm1, p_S, inv_S)
+    else:
+        hidden_N_H = _two_pass_target_hidden(decoder, ids_S_T, mask_S_T, sel_S_Tm1, p_S,
+                                             pre_ids_U_L, pre_len_U, inv_S)
+    lp_N = target_logprobs(head, hidden_N_H, tgt_N, chunk_size)
+    return out_S_Tm1.masked_scatter(sel_S_Tm1, lp_N)
+
+
+def _packed_target_hidden(hidden_N_H: torch.Tensor, layout: PackedLayout,
+                          sel_S_Tm1: torch.Tensor, p_S: torch.Tensor, inv_S: torch.Tensor
+                          ) -> torch.Tensor:
+    """Rows of the packed hidden states predicting the targets, in ``sel`` row-major order.
+
+    Target ``(s, t)`` is the prefix's token ``t`` when ``t < p_S[s]``, else suffix token
+    ``t - p_S[s]`` of row ``s``.
+    """
+    s_N, t_N = torch.nonzero(sel_S_Tm1, as_tuple=True)
+    p_N = p_S[s_N]
+    flat_N = torch.where(t_N < p_N, layout.pre_start_U[inv_S[s_N]] + t_N,
+                         layout.suf_start_S[s_N] + (t_N - p_N))
+    return hidden_N_H.index_select(0, flat_N)
+
+
+def _two_pass_target_hidden(decoder: Any, ids_S_T: torch.Tensor, mask_S_T: torch.Tensor,
+                            sel_S_Tm1: torch.Tensor, p_S: torch.Tensor,
+                            pre_ids_U_L: torch.Tensor, pre_len_U: torch.Tensor,
+                            inv_S: torch.Tensor) -> torch.Tensor:
+    """Target hidden states from a prefix pass and a suffix pass over a shared cache."""
     u_count, length = pre_ids_U_L.shape
     ar_L = torch.arange(length, device=ids_S_T.device)
     pre_mask_U_L = (ar_L[None, :] < pre_len_U[:, None]).long()
@@ -118,12 +167,7 @@ def _shared_rows(model: Any, ids_S_T: torch.Tensor, mask_S_T: torch.Tensor,
     pos_S_Ls = p_S[:, None] + torch.arange(s_len, device=ids_S_T.device)[None, :]
     suf = decoder(input_ids=suf_ids_S_Ls, attention_mask=attn_S_L, position_ids=pos_S_Ls,
                   cache=cache, use_cache=True)
-    hidden_N_H = _target_hidden(pre.last_hidden_state, suf.last_hidden_state, sel_S_Tm1,
-                                p_S, inv_S)
-    tgt_N = ids_S_T[:, 1:][sel_S_Tm1]
-    lp_N = target_logprobs(head, hidden_N_H, tgt_N, chunk_size)
-    out_S_Tm1 = torch.zeros(sel_S_Tm1.shape, dtype=torch.float32, device=ids_S_T.device)
-    return out_S_Tm1.masked_scatter(sel_S_Tm1, lp_N)
+    return _target_hidden(pre.last_hidden_state, suf.last_hidden_state, sel_S_Tm1, p_S, inv_S)
 
 
 def _unique_prefixes(ids_S_T: torch.Tensor, p_S: torch.Tensor

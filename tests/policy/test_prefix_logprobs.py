@@ -1,7 +1,13 @@
-"""Shared-prefix log-probs equal the unshared ones (values, LoRA gradients, reference pass)."""
+"""Shared-prefix log-probs equal the unshared ones (values, LoRA gradients, reference pass).
+
+Each equality is checked on both layouts: the packed one-call layout (sdpa and eager) and the
+two-pass layout over a shared cache (every other attention implementation).
+"""
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from closedloop.policy import (
     LogprobInputError,
@@ -11,6 +17,7 @@ from closedloop.policy import (
     sequence_logprobs,
     shared_prefix_logprobs,
 )
+from closedloop.policy import prefix_logprobs as prefix_module
 from closedloop.policy.logprobs import _decoder_and_head
 
 PROMPT_LENS = (7, 11, 9)  # three groups of four siblings; then one row with its own prompt
@@ -65,6 +72,14 @@ def grouped_rows(seed=0):
     return ids, attn, act[:, 1:], torch.tensor(prompts)
 
 
+@pytest.fixture(params=["packed", "two_pass"])
+def layout(request, monkeypatch):
+    """Run the test on the packed layout, or force the two-pass one."""
+    if request.param == "two_pass":
+        monkeypatch.setattr(prefix_module, "packs", lambda _decoder: False)
+    return request.param
+
+
 def trainable(model):
     return [p for p in model.parameters() if p.requires_grad]
 
@@ -78,7 +93,7 @@ def test_prompt_prefix_lengths_is_the_prompt_before_the_first_action():
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_values_equal_the_unshared_path(tokenizer, model, attn):
+def test_values_equal_the_unshared_path(tokenizer, model, attn, layout):
     m = model if attn == "sdpa" else lora_model(tokenizer, attn)
     ids, mask, target, _ = grouped_rows()
     with torch.no_grad():
@@ -89,7 +104,7 @@ def test_values_equal_the_unshared_path(tokenizer, model, attn):
     assert bool((got[target == 0] == 0).all())
 
 
-def test_gradients_equal_the_unshared_path(model):
+def test_gradients_equal_the_unshared_path(model, layout):
     ids, mask, target, _ = grouped_rows(seed=1)
     w = torch.randn(target.shape, generator=torch.Generator().manual_seed(7))
     params = trainable(model)
@@ -103,7 +118,7 @@ def test_gradients_equal_the_unshared_path(model):
         torch.testing.assert_close(g_got, g_want, rtol=1e-5, atol=1e-5 * scale)
 
 
-def test_reference_pass_without_the_adapter_equals_the_unshared_path(model):
+def test_reference_pass_without_the_adapter_equals_the_unshared_path(model, layout):
     ids, mask, target, _ = grouped_rows(seed=2)
     with torch.no_grad():
         adapted = shared_prefix_logprobs(model, ids, mask, target)
@@ -114,7 +129,7 @@ def test_reference_pass_without_the_adapter_equals_the_unshared_path(model):
     assert float((adapted - got).abs().max()) > 1e-2  # the adapter changes the scores
 
 
-def test_explicit_prefixes_targets_inside_them_and_plain_rows(model):
+def test_explicit_prefixes_targets_inside_them_and_plain_rows(model, layout):
     # Prefixes shorter than the prompt (targets at t < p - 1 read the prefix pass), rows with
     # p = 0 (the plain path), a target-free row (never forwarded) all agree with the reference.
     ids, mask, _, prompts = grouped_rows(seed=3)
@@ -129,14 +144,16 @@ def test_explicit_prefixes_targets_inside_them_and_plain_rows(model):
     assert bool((got[5] == 0).all())
 
 
-def test_each_distinct_prompt_is_forwarded_once(model):
+def test_each_distinct_prompt_is_forwarded_once(model, layout):
     ids, mask, target, prompts = grouped_rows(seed=4)
     decoder, _ = _decoder_and_head(model)
     fed = []  # (query slots, real query tokens) per decoder call
 
     def count(_module, _args, kwargs):
         q = kwargs["input_ids"].shape[1]
-        fed.append((kwargs["input_ids"].numel(), int(kwargs["attention_mask"][:, -q:].sum())))
+        att = kwargs["attention_mask"]
+        real = q * kwargs["input_ids"].shape[0] if att is None else int(att[:, -q:].sum())
+        fed.append((kwargs["input_ids"].numel(), real))
 
     handle = decoder.register_forward_pre_hook(count, with_kwargs=True)
     try:
@@ -146,12 +163,16 @@ def test_each_distinct_prompt_is_forwarded_once(model):
             sequence_logprobs(model, ids, mask, target)
     finally:
         handle.remove()
-    assert shared_calls == 2  # one prefix pass, one suffix pass
     real = int(mask.sum())
     # 13 rows: the prompts are fed once per distinct prompt (7 + 11 + 9 + 5), not per row.
-    assert sum(r for _, r in fed[:2]) == real - int(prompts.sum()) + sum((*PROMPT_LENS, 5))
-    assert fed[2] == (ids.numel(), real)
-    assert sum(n for n, _ in fed[:2]) < 0.7 * ids.numel()
+    once = real - int(prompts.sum()) + sum((*PROMPT_LENS, 5))
+    assert sum(r for _, r in fed[:shared_calls]) == once
+    assert fed[shared_calls] == (ids.numel(), real)
+    if layout == "packed":
+        assert fed[:shared_calls] == [(once, once)]  # one call, no padding at all
+    else:
+        assert shared_calls == 2  # one prefix pass, one suffix pass
+        assert sum(n for n, _ in fed[:2]) < 0.7 * ids.numel()
 
 
 def test_invalid_prefixes_are_refused(model):
@@ -164,3 +185,49 @@ def test_invalid_prefixes_are_refused(model):
     with pytest.raises(LogprobInputError, match="right-padded"):
         shared_prefix_logprobs(model, torch.flip(ids, [1]), left, target.flip(1),
                                prefix_len_B=prompts)
+
+
+def test_packed_call_restores_the_attention_implementation(model, monkeypatch):
+    ids, mask, target, _ = grouped_rows()
+    decoder, _ = _decoder_and_head(model)
+    with torch.no_grad():
+        shared_prefix_logprobs(model, ids, mask, target)
+    assert decoder.config._attn_implementation == "sdpa"
+
+    def broken(*_args, **_kwargs):
+        raise RuntimeError("attention failed")
+
+    from closedloop.policy import packed_prefix
+    monkeypatch.setattr(packed_prefix, "packed_attention", broken)
+    with pytest.raises(RuntimeError, match="attention failed"), torch.no_grad():
+        shared_prefix_logprobs(model, ids, mask, target)
+    assert decoder.config._attn_implementation == "sdpa"  # restored on error too
+    monkeypatch.undo()
+    with torch.no_grad():  # and the next call registers the real function again
+        torch.testing.assert_close(shared_prefix_logprobs(model, ids, mask, target),
+                                   sequence_logprobs(model, ids, mask, target),
+                                   rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 9), st.lists(st.integers(1, 7), min_size=1, max_size=4)),
+                min_size=1, max_size=4), st.integers(0, 2**16))
+def test_packed_layout_equals_the_unshared_path_for_any_grouping(model, groups, seed):
+    # groups: (prompt length, suffix lengths of its rows); every suffix token is a target.
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for plen, suffixes in groups:
+        prompt = torch.randint(10, 5000, (plen,), generator=g).tolist()
+        rows += [(prompt, torch.randint(10, 5000, (n,), generator=g).tolist()) for n in suffixes]
+    width = max(len(p) + len(s) for p, s in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    target = torch.zeros(len(rows), width - 1)  # width >= 2: p, n >= 1
+    for i, (p, s) in enumerate(rows):
+        ids[i, :len(p) + len(s)] = torch.tensor(p + s)
+        mask[i, :len(p) + len(s)] = 1
+        target[i, len(p) - 1:len(p) + len(s) - 1] = 1
+    with torch.no_grad():
+        want = sequence_logprobs(model, ids, mask, target)
+        got = shared_prefix_logprobs(model, ids, mask, target)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

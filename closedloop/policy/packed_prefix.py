@@ -10,16 +10,17 @@ Attention is the one part that must see the grouping. ``packed_attention`` is re
 transformers' ``AttentionInterface`` and is switched on for the duration of one call
 (``packed_decoder_call``). In each layer it gathers, from the packed queries/keys/values:
 
-- the prefixes, right-padded to ``L = max p_u``: ``[U, H, L, D]``, causal, with pad keys masked;
+- the prefixes, right-padded to ``L = max p_u``: ``[U, H, L, D]``, causal (a real query sees
+  only real keys, since the padding is on the right);
 - the suffixes, right-padded to ``Ls = max n_s``: queries ``[S, H, Ls, D]`` against the keys of
   their own prefix (``L`` slots, those ``>= p_u`` masked) followed by their own suffix (causal);
 
-runs the model's own attention function (``sdpa`` or ``eager``) on both, and scatters the real
-rows back to packed order. Pad slots are gathered from a real token of the same segment, so every
-value is finite; every query row sees at least one real key (its prefix has ``p >= 1``), so no
-softmax row is empty. The gathers are ``index_select`` (their backward sums the siblings'
-cotangents into their shared prefix keys and values). The result equals the two-pass layout up to
-floating-point summation order.
+runs torch's ``scaled_dot_product_attention`` on both (for a model set to ``sdpa`` or ``eager``,
+which compute the same function), and scatters the real rows back to packed order. Pad slots are
+gathered from a real token of the same segment, so every value is finite; every query row sees at
+least one real key (its prefix has ``p >= 1``), so no softmax row is empty. The gathers are
+``index_select`` (their backward sums the siblings' cotangents into their shared prefix keys and
+values). The result equals the two-pass layout up to floating-point summation order.
 """
 
 from __future__ import annotations
@@ -41,14 +42,13 @@ class PackedLayout:
 
     ``pre_idx_U_L`` / ``suf_q_idx_S_Ls``: packed index of each padded prefix / suffix slot;
     ``suf_kv_idx_S_K``: packed index of each key a suffix row attends to (``K = L + Ls``);
-    ``pre_mask_U_L_L`` / ``suf_mask_S_Ls_K``: which keys each padded query sees (bool);
+    ``suf_mask_S_Ls_K``: which keys each padded suffix query sees (bool; the prefixes are causal);
     ``out_idx_N``: for packed token ``i``, its row in ``cat(prefix out [U*L], suffix out [S*Ls])``.
     """
 
     pre_idx_U_L: torch.Tensor
     suf_q_idx_S_Ls: torch.Tensor
     suf_kv_idx_S_K: torch.Tensor
-    pre_mask_U_L_L: torch.Tensor
     suf_mask_S_Ls_K: torch.Tensor
     out_idx_N: torch.Tensor
     ids_N: torch.Tensor
@@ -76,8 +76,6 @@ def packed_layout(pre_ids_U_L: torch.Tensor, pre_len_U: torch.Tensor, suf_ids_S_
     pre_idx_U_L = pre_start_U[:, None] + torch.minimum(ar_L[None, :], pre_len_U[:, None] - 1)
     suf_q_idx_S_Ls = suf_start_S[:, None] + torch.minimum(ar_Ls[None, :], suf_len_S[:, None] - 1)
     suf_kv_idx_S_K = torch.cat([pre_idx_U_L.index_select(0, inv_S), suf_q_idx_S_Ls], dim=1)
-    causal_L_L = ar_L[:, None] >= ar_L[None, :]
-    pre_mask_U_L_L = causal_L_L[None] & pre_real_U_L[:, None, :]
     causal_Ls_Ls = ar_Ls[:, None] >= ar_Ls[None, :]
     suf_mask_S_Ls_K = torch.cat([pre_real_U_L.index_select(0, inv_S)[:, None, :]
                                  .expand(s_count, s_len, length),
@@ -90,8 +88,8 @@ def packed_layout(pre_ids_U_L: torch.Tensor, pre_len_U: torch.Tensor, suf_ids_S_
     pre_len_S = pre_len_U.index_select(0, inv_S)
     positions_N = torch.cat([ar_L[None, :].expand(u_count, -1)[pre_real_U_L],
                              (pre_len_S[:, None] + ar_Ls[None, :])[suf_real_S_Ls]])
-    return PackedLayout(pre_idx_U_L, suf_q_idx_S_Ls, suf_kv_idx_S_K, pre_mask_U_L_L,
-                        suf_mask_S_Ls_K, out_idx_N, ids_N, positions_N, pre_start_U, suf_start_S)
+    return PackedLayout(pre_idx_U_L, suf_q_idx_S_Ls, suf_kv_idx_S_K, suf_mask_S_Ls_K, out_idx_N,
+                        ids_N, positions_N, pre_start_U, suf_start_S)
 
 
 def packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -99,38 +97,30 @@ def packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
                      **kwargs: Any) -> tuple[torch.Tensor, None]:
     """Attention over the packed row ``[1, H, N, D]`` -> ``[1, N, H, D]`` (module doc).
 
-    ``kwargs`` carries ``closedloop_layout`` (a ``PackedLayout``) and ``closedloop_attention``
-    (the model's own implementation name, which computes each padded view).
+    ``kwargs`` carries ``closedloop_layout`` (a ``PackedLayout``). Both padded views go through
+    ``torch.nn.functional.scaled_dot_product_attention`` with grouped-query heads left grouped
+    (``enable_gqa``: no key/value copy per query head): the prefixes with ``is_causal`` (under
+    right padding a real query only sees real keys), the suffixes with their boolean mask.
     """
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    from transformers.models.llama.modeling_llama import eager_attention_forward
-
-    layout: PackedLayout = kwargs.pop("closedloop_layout")
-    inner_name: str = kwargs.pop("closedloop_attention")
-    inner = (eager_attention_forward if inner_name == "eager"
-             else ALL_ATTENTION_FUNCTIONS[inner_name])
+    layout: PackedLayout = kwargs["closedloop_layout"]
     q_H_N_D, k_H_N_D, v_H_N_D = query[0], key[0], value[0]
+    gqa = q_H_N_D.shape[0] != k_H_N_D.shape[0]
 
     def view(t_H_N_D: torch.Tensor, idx_R_C: torch.Tensor) -> torch.Tensor:
         rows, cols = idx_R_C.shape
         picked = t_H_N_D.index_select(1, idx_R_C.reshape(-1))
         return picked.view(t_H_N_D.shape[0], rows, cols, -1).transpose(0, 1)
 
-    def mask(allowed: torch.Tensor) -> torch.Tensor:
-        if inner_name == "sdpa":
-            return allowed[:, None]
-        neg = torch.finfo(query.dtype).min
-        zero = torch.zeros((), dtype=query.dtype, device=query.device)
-        return torch.where(allowed, zero, neg)[:, None]
-
-    common = dict(dropout=dropout, scaling=scaling, is_causal=False, **kwargs)
-    pre_out, _ = inner(module, view(q_H_N_D, layout.pre_idx_U_L), view(k_H_N_D, layout.pre_idx_U_L),
-                       view(v_H_N_D, layout.pre_idx_U_L), mask(layout.pre_mask_U_L_L), **common)
-    suf_out, _ = inner(module, view(q_H_N_D, layout.suf_q_idx_S_Ls),
-                       view(k_H_N_D, layout.suf_kv_idx_S_K), view(v_H_N_D, layout.suf_kv_idx_S_K),
-                       mask(layout.suf_mask_S_Ls_K), **common)
-    heads, dim = pre_out.shape[-2:]
-    both = torch.cat([pre_out.reshape(-1, heads, dim), suf_out.reshape(-1, heads, dim)])
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    pre_out = sdpa(view(q_H_N_D, layout.pre_idx_U_L), view(k_H_N_D, layout.pre_idx_U_L),
+                   view(v_H_N_D, layout.pre_idx_U_L), dropout_p=dropout, is_causal=True,
+                   scale=scaling, enable_gqa=gqa)
+    suf_out = sdpa(view(q_H_N_D, layout.suf_q_idx_S_Ls), view(k_H_N_D, layout.suf_kv_idx_S_K),
+                   view(v_H_N_D, layout.suf_kv_idx_S_K), attn_mask=layout.suf_mask_S_Ls_K[:, None],
+                   dropout_p=dropout, scale=scaling, enable_gqa=gqa)
+    heads, dim = pre_out.shape[1], pre_out.shape[-1]
+    both = torch.cat([pre_out.transpose(1, 2).reshape(-1, heads, dim),
+                      suf_out.transpose(1, 2).reshape(-1, heads, dim)])
     return both.index_select(0, layout.out_idx_N)[None], None
 
 
@@ -147,13 +137,13 @@ def packs(decoder: Any) -> bool:
 
 
 @contextmanager
-def _attention_switched(config: Any) -> Iterator[str]:
-    """Switch ``config`` to the packed attention for one call; yield the original name."""
+def _attention_switched(config: Any) -> Iterator[None]:
+    """Switch ``config`` to the packed attention for one call, and back."""
     original = config._attn_implementation
     _register()
     config._attn_implementation = PACKED_ATTENTION
     try:
-        yield original
+        yield
     finally:
         config._attn_implementation = original
 
@@ -163,8 +153,8 @@ def packed_decoder_call(decoder: Any, layout: PackedLayout) -> torch.Tensor:
 
     ``decoder`` must satisfy ``packs(decoder)``; its config is restored afterwards even on error.
     """
-    with _attention_switched(decoder.config) as original:
+    with _attention_switched(decoder.config):
         out = decoder(input_ids=layout.ids_N[None], attention_mask=None,
                       position_ids=layout.positions_N[None], use_cache=False,
-                      closedloop_layout=layout, closedloop_attention=original)
+                      closedloop_layout=layout)
     return out.last_hidden_state[0]

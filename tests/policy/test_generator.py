@@ -180,7 +180,10 @@ def test_behavior_logprobs_are_the_transformed_distribution(peaked_model, tokeni
             for k, (tok, beh, raw) in enumerate(zip(g.action_token_ids, g.behavior_logprobs,
                                                     g.raw_model_logprobs, strict=True)):
                 want = reference_logprobs(logits_T_V[start - 1 + k].numpy(), NUCLEUS)[tok]
-                assert beh == pytest.approx(want, abs=1e-4)
+                # The decode path (KV cache, fused products) and this full forward differ in
+                # fp32 summation order: on this peaked model (|logits| ~13, temperature 0.7)
+                # that alone moves a log-prob by up to ~1e-4, against a raw gap of > 0.1.
+                assert beh == pytest.approx(want, abs=3e-4)
                 gaps.append(abs(beh - raw))
     assert max(gaps) > 0.1  # the raw model distribution is not the sampler's
 

@@ -126,3 +126,34 @@ def test_draw_frequencies_follow_the_transformed_distribution():
     # binomial std <= sqrt(0.25 / 20000) = 0.0035; 0.015 is > 4 std
     assert torch.allclose(freq, probs.double(), atol=0.015)
     assert freq[probs == 0].sum() == 0
+
+
+@pytest.mark.parametrize(("u", "row", "want"), [
+    (0.0, [math.log(0.5), math.log(0.5), -math.inf, -math.inf], 0),
+    (1.0 - 2.0 ** -53, [math.log(0.5), math.log(0.5), -math.inf, -math.inf], 1),
+    (0.0, [-math.inf, 0.0, -math.inf], 1),
+    (1.0 - 2.0 ** -53, [-math.inf, 0.0, -math.inf], 1),
+    (0.5 - 1e-12, [math.log(0.5), -math.inf, math.log(0.5)], 0),
+    (0.5 + 1e-12, [math.log(0.5), -math.inf, math.log(0.5)], 2),
+])
+def test_inverse_cdf_edges_never_land_outside_the_support(monkeypatch, u, row, want):
+    # The extreme uniforms (0 and the largest double below 1) and both sides of a boundary
+    # next to an excluded token: the draw is the token whose CDF interval holds u.
+    def fixed_rand(shape, **kwargs):
+        return torch.full(shape, u, dtype=kwargs.get("dtype", torch.float32))
+
+    monkeypatch.setattr(torch, "rand", fixed_rand)
+    assert sample(torch.tensor([row])).tolist() == [want]
+
+
+def test_tiny_probabilities_keep_their_own_interval():
+    # One token holds 1 - 2e-9 of the mass, two hold 1e-9 each: a float32 running sum would round
+    # both away (its spacing near 1 is 6e-8), so they could never be drawn. Pin the uniform just
+    # past the head token's interval: the first tail token is drawn.
+    row = torch.tensor([[math.log1p(-2e-9), math.log(1e-9), math.log(1e-9)]])
+    gen = torch.Generator().manual_seed(0)
+    assert sample(row, gen).tolist() == [0]
+    u = 1.0 - 1.5e-9
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "rand", lambda shape, **kw: torch.full(shape, u, dtype=kw["dtype"]))
+        assert sample(row).tolist() == [1]

@@ -237,18 +237,19 @@ class HFGenerator:
                 _record(rows[r], picked, j, matcher, max_new_tokens)
                 if rows[r].finish is not None:
                     self._finish(states[r], rows[r], cache, j, mask_B_L[j])
-            keep = [j for j, r in enumerate(live) if rows[r].finish is None]
-            if not keep:
+            alive = [rows[r].finish is None for r in live]
+            if not any(alive):
                 break
-            live = [live[j] for j in keep]
-            idx = torch.tensor(keep)
-            if len(keep) < len(mask_B_L):
+            order = compaction_order(alive)
+            live = [live[j] for j in order]
+            idx = torch.tensor(order)
+            if len(order) < len(mask_B_L):
                 cache.batch_select_indices(idx)
             last_B_1 = torch.tensor([[rows[r].ids[-1]] for r in live])
-            mask_B_L = torch.cat([mask_B_L[idx], torch.ones(len(keep), 1, dtype=torch.long)], 1)
+            mask_B_L = torch.cat([mask_B_L[idx], torch.ones(len(order), 1, dtype=torch.long)], 1)
             pos_B = pos_B[idx] + 1
             logits_B_V = self._forward(last_B_1, mask_B_L, pos_B[:, None], cache)
-            self.stats.decode_tokens += len(keep)
+            self.stats.decode_tokens += len(order)
         self.stats.batches += 1
         self.stats.prefill_s += t1 - t0
         self.stats.decode_s += time.perf_counter() - t1
@@ -347,6 +348,19 @@ def _record(row: _Row, picked: tuple[list[int], list[float], list[float]], j: in
     row.finish = matcher.check(row.ids)
     if row.finish is None and len(row.ids) >= max_new:
         row.finish = "length"
+
+
+def compaction_order(alive: Sequence[bool]) -> list[int]:
+    """The batch positions that stay, in their new order, after some rows finished.
+
+    A live row below the new batch size ``n = sum(alive)`` keeps its position; each finished
+    position below ``n`` takes a live row from ``n`` or above. So only one row per finished slot
+    moves, and a cache compacts in place by copying those rows
+    (``GrowingKVLayer.batch_select_indices``) instead of gathering the whole batch.
+    """
+    n = sum(1 for a in alive if a)
+    movers = [j for j in range(n, len(alive)) if alive[j]]
+    return [j if alive[j] else movers.pop() for j in range(n)]
 
 
 def _new_cache(caches: list[KV | None], c_max: int, reserve: int, growing: bool) -> Any:

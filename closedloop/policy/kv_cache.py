@@ -60,11 +60,29 @@ class GrowingKVLayer(DynamicLayer):
         return kbuf, vbuf
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep only rows ``indices`` (buffers included)."""
+        """Keep only rows ``indices``, in that order (buffers included).
+
+        A selection no larger than the buffer is done in place: the rows whose position changes
+        are copied (read out first, then written) and the buffers become views of their first
+        ``len(indices)`` rows. With ``hf_generator.compaction_order`` only the rows that fill a
+        finished row's slot move, instead of the whole batch being gathered anew. A larger
+        selection (a prompt's cache repeated for its siblings) gathers new buffers.
+        """
         n = self.get_seq_length()
-        if self._kbuf is None or self._vbuf is None or n == 0:
+        kbuf, vbuf = self._kbuf, self._vbuf
+        if kbuf is None or vbuf is None or n == 0:
             return
-        self._kbuf, self._vbuf = self._kbuf[indices], self._vbuf[indices]
+        order = indices.tolist()
+        if len(order) <= kbuf.shape[0]:
+            moved = [(j, i) for j, i in enumerate(order) if i != j]
+            if moved:
+                dst = torch.tensor([j for j, _ in moved], device=kbuf.device)
+                src = torch.tensor([i for _, i in moved], device=kbuf.device)
+                kbuf.index_copy_(0, dst, kbuf.index_select(0, src))
+                vbuf.index_copy_(0, dst, vbuf.index_select(0, src))
+            self._kbuf, self._vbuf = kbuf[:len(order)], vbuf[:len(order)]
+        else:
+            self._kbuf, self._vbuf = kbuf[indices], vbuf[indices]
         self.keys, self.values = self._kbuf[:, :, :n], self._vbuf[:, :, :n]
 
 

@@ -3,6 +3,8 @@
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from closedloop.contracts import SamplerConfig
 from closedloop.policy import (
@@ -116,6 +118,46 @@ def test_growing_kv_layer_equals_concatenation():
     assert torch.equal(layer.keys, torch.cat(ks, 2)[1:]) and layer.get_seq_length() == 281
     k, v = torch.ones(1, 3, 1, 4), torch.zeros(1, 3, 1, 4)
     assert torch.equal(layer.update(k, v)[0][:, :, -1:], k)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.booleans(), min_size=1, max_size=40).filter(any))
+def test_compaction_order_keeps_the_live_rows_and_moves_only_from_above(alive):
+    from closedloop.policy.hf_generator import compaction_order
+
+    order = compaction_order(alive)
+    n = sum(alive)
+    assert sorted(order) == [j for j, a in enumerate(alive) if a]  # each live row once
+    assert all(i == j or i >= n for j, i in enumerate(order))  # in place where it stays
+    assert sum(i != j for j, i in enumerate(order)) == sum(not a for a in alive[:n])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.booleans(), min_size=1, max_size=12).filter(any), st.booleans(),
+       st.integers(0, 2**16))
+def test_growing_kv_layer_selection_equals_a_gather(alive, shuffle, seed):
+    # In-place compaction (compaction_order: few rows move) and a shuffled order (rows move
+    # onto slots that other moved rows are read from) both leave exactly the gathered rows, and
+    # appending still works.
+    from closedloop.policy.hf_generator import compaction_order
+    from closedloop.policy.kv_cache import GrowingKVLayer
+
+    gen = torch.Generator().manual_seed(seed)
+    b = len(alive)
+    layer = GrowingKVLayer(reserve=16)
+    k0, v0 = torch.randn(b, 2, 5, 3, generator=gen), torch.randn(b, 2, 5, 3, generator=gen)
+    layer.update(k0, v0)
+    order = compaction_order(alive)
+    if shuffle:
+        order = [order[i] for i in torch.randperm(len(order), generator=gen).tolist()]
+    idx = torch.tensor(order)
+    layer.batch_select_indices(idx)
+    assert torch.equal(layer.keys, k0[idx]) and torch.equal(layer.values, v0[idx])
+    k1, v1 = torch.randn(len(order), 2, 1, 3, generator=gen), torch.randn(len(order), 2, 1, 3,
+                                                                          generator=gen)
+    got_k, got_v = layer.update(k1, v1)
+    assert torch.equal(got_k, torch.cat([k0[idx], k1], 2))
+    assert torch.equal(got_v, torch.cat([v0[idx], v1], 2))
 
 
 def test_row_cache_squeezes_padding():

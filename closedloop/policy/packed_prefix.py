@@ -152,6 +152,8 @@ def packed_decoder_call(decoder: Any, layout: PackedLayout) -> torch.Tensor:
     """Run ``decoder`` once over the packed row; return its hidden states ``[N, H]``.
 
     ``decoder`` must satisfy ``packs(decoder)``; its config is restored afterwards even on error.
+    The switch is on the model's config, so no other forward of the same model may run
+    concurrently (the trainer and the generator's own decode copy never share one).
     """
     with _attention_switched(decoder.config):
         out = decoder(input_ids=layout.ids_N[None], attention_mask=None,

@@ -51,12 +51,7 @@ from closedloop.policy.logprobs import (
     checked_targets,
     sequence_logprobs,
 )
-from closedloop.policy.packed_prefix import (
-    PackedLayout,
-    packed_decoder_call,
-    packed_layout,
-    packs,
-)
+from closedloop.policy.packed_prefix import packed_decoder_call, packed_layout, packs
 from closedloop.policy.vocab_scoring import target_logprobs
 
 
@@ -126,28 +121,13 @@ def _shared_rows(model: Any, ids_S_T: torch.Tensor, mask_S_T: torch.Tensor,
     if packs(decoder):
         suf_ids_S_Ls, suf_mask_S_Ls = _suffixes(ids_S_T, mask_S_T, p_S)
         layout = packed_layout(pre_ids_U_L, pre_len_U, suf_ids_S_Ls, suf_mask_S_Ls.sum(1), inv_S)
-        hidden_N_H = _packed_target_hidden(packed_decoder_call(decoder, layout), layout,
-                                           sel_S_Tm1, p_S, inv_S)
+        hidden_N_H = _target_rows(packed_decoder_call(decoder, layout), layout.pre_start_U,
+                                  layout.suf_start_S, sel_S_Tm1, p_S, inv_S)
     else:
         hidden_N_H = _two_pass_target_hidden(decoder, ids_S_T, mask_S_T, sel_S_Tm1, p_S,
                                              pre_ids_U_L, pre_len_U, inv_S)
     lp_N = target_logprobs(head, hidden_N_H, tgt_N, chunk_size)
     return out_S_Tm1.masked_scatter(sel_S_Tm1, lp_N)
-
-
-def _packed_target_hidden(hidden_N_H: torch.Tensor, layout: PackedLayout,
-                          sel_S_Tm1: torch.Tensor, p_S: torch.Tensor, inv_S: torch.Tensor
-                          ) -> torch.Tensor:
-    """Rows of the packed hidden states predicting the targets, in ``sel`` row-major order.
-
-    Target ``(s, t)`` is the prefix's token ``t`` when ``t < p_S[s]``, else suffix token
-    ``t - p_S[s]`` of row ``s``.
-    """
-    s_N, t_N = torch.nonzero(sel_S_Tm1, as_tuple=True)
-    p_N = p_S[s_N]
-    flat_N = torch.where(t_N < p_N, layout.pre_start_U[inv_S[s_N]] + t_N,
-                         layout.suf_start_S[s_N] + (t_N - p_N))
-    return hidden_N_H.index_select(0, flat_N)
 
 
 def _two_pass_target_hidden(decoder: Any, ids_S_T: torch.Tensor, mask_S_T: torch.Tensor,
@@ -167,7 +147,12 @@ def _two_pass_target_hidden(decoder: Any, ids_S_T: torch.Tensor, mask_S_T: torch
     pos_S_Ls = p_S[:, None] + torch.arange(s_len, device=ids_S_T.device)[None, :]
     suf = decoder(input_ids=suf_ids_S_Ls, attention_mask=attn_S_L, position_ids=pos_S_Ls,
                   cache=cache, use_cache=True)
-    return _target_hidden(pre.last_hidden_state, suf.last_hidden_state, sel_S_Tm1, p_S, inv_S)
+    hid = pre.last_hidden_state.shape[-1]
+    both = torch.cat([pre.last_hidden_state.reshape(-1, hid),
+                      suf.last_hidden_state.reshape(-1, hid)])
+    starts_U = torch.arange(u_count, device=ids_S_T.device) * length
+    starts_S = u_count * length + torch.arange(len(p_S), device=ids_S_T.device) * s_len
+    return _target_rows(both, starts_U, starts_S, sel_S_Tm1, p_S, inv_S)
 
 
 def _unique_prefixes(ids_S_T: torch.Tensor, p_S: torch.Tensor
@@ -214,21 +199,19 @@ def _suffixes(ids_S_T: torch.Tensor, mask_S_T: torch.Tensor, p_S: torch.Tensor
     return ids_S_T.gather(1, src_S_Ls) * suf_mask_S_Ls, suf_mask_S_Ls
 
 
-def _target_hidden(pre_U_L_H: torch.Tensor, suf_S_Ls_H: torch.Tensor, sel_S_Tm1: torch.Tensor,
-                   p_S: torch.Tensor, inv_S: torch.Tensor) -> torch.Tensor:
+def _target_rows(hidden_R_H: torch.Tensor, pre_start_U: torch.Tensor, suf_start_S: torch.Tensor,
+                 sel_S_Tm1: torch.Tensor, p_S: torch.Tensor, inv_S: torch.Tensor) -> torch.Tensor:
     """Return the hidden states ``[N, H]`` predicting the targets, in ``sel`` row-major order.
 
-    Target ``(s, t)`` reads the prefix pass at ``[inv_S[s], t]`` when ``t < p_S[s]``, else the
-    suffix pass at ``[s, t - p_S[s]]``.
+    ``hidden_R_H`` holds every prefix's positions from row ``pre_start_U[u]`` on and every
+    suffix's from row ``suf_start_S[s]`` on. Target ``(s, t)`` reads prefix ``inv_S[s]`` at
+    ``t`` when ``t < p_S[s]``, else suffix ``s`` at ``t - p_S[s]``.
     """
-    u_count, length, hid = pre_U_L_H.shape
-    s_len = suf_S_Ls_H.shape[1]
     s_N, t_N = torch.nonzero(sel_S_Tm1, as_tuple=True)
     p_N = p_S[s_N]
-    flat_N = torch.where(t_N < p_N, inv_S[s_N] * length + t_N,
-                         u_count * length + s_N * s_len + (t_N - p_N))
-    both = torch.cat([pre_U_L_H.reshape(-1, hid), suf_S_Ls_H.reshape(-1, hid)])
-    return both.index_select(0, flat_N)
+    flat_N = torch.where(t_N < p_N, pre_start_U[inv_S[s_N]] + t_N,
+                         suf_start_S[s_N] + (t_N - p_N))
+    return hidden_R_H.index_select(0, flat_N)
 
 
 def trainer_path_logprobs(model: Any, token_ids_B_T: torch.Tensor,

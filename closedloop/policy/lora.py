@@ -18,7 +18,9 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -57,9 +59,19 @@ def attach_lora(model: Any, r: int = 8, alpha: int = 16,
     config = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(target_modules),
                         lora_dropout=dropout, bias="none", task_type="CAUSAL_LM")
     devices: list[torch.device] = []
-    with torch.random.fork_rng(devices=devices):
+    with torch.random.fork_rng(devices=devices), _quiet_peft():
         torch.manual_seed(seed)
         return get_peft_model(model, config)
+
+
+@contextmanager
+def _quiet_peft() -> Iterator[None]:
+    """Silence the one deprecation warning peft triggers in transformers on every wrap
+    (peft reads ``is_gradient_checkpointing``, which transformers renamed); nothing else."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.* is deprecated",
+                                category=FutureWarning)
+        yield
 
 
 def is_peft_model(model: Any) -> bool:
@@ -123,4 +135,5 @@ def load_adapter(base_model: Any, path: str | Path, trainable: bool = False) -> 
 
     if not (Path(path) / "adapter_config.json").is_file():
         raise AdapterError(f"{path} holds no adapter_config.json")
-    return PeftModel.from_pretrained(base_model, str(path), is_trainable=trainable)
+    with _quiet_peft():
+        return PeftModel.from_pretrained(base_model, str(path), is_trainable=trainable)

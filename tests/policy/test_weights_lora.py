@@ -83,3 +83,15 @@ def test_lora_model_generates_and_scores_consistently(tokenizer, renderer):
     loss.backward()
     grads = [n for n, p in model.named_parameters() if p.grad is not None]
     assert grads and all("lora_" in n for n in grads)
+
+
+def test_wrapping_and_loading_an_adapter_warn_nothing(tokenizer, tmp_path):
+    """peft's read of a renamed transformers property is silenced; other warnings pass."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = attach_lora(build_tiny_model(tokenizer, seed=0), r=4, alpha=8)
+        load_adapter(build_tiny_model(tokenizer, seed=0), save_adapter(model, tmp_path / "a"))
+        warnings.warn("an unrelated deprecation", FutureWarning, stacklevel=1)
+    assert [str(w.message) for w in caught] == ["an unrelated deprecation"]

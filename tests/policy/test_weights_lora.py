@@ -1,5 +1,7 @@
 """Weight identity: checksum sensitivity, LoRA base/adapter/combined, adapter round trip."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -87,8 +89,6 @@ def test_lora_model_generates_and_scores_consistently(tokenizer, renderer):
 
 def test_wrapping_and_loading_an_adapter_warn_nothing(tokenizer, tmp_path):
     """peft's read of a renamed transformers property is silenced; other warnings pass."""
-    import warnings
-
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model = attach_lora(build_tiny_model(tokenizer, seed=0), r=4, alpha=8)

@@ -10,7 +10,12 @@ recomputation over the same exact prefixes and ids (``trainer_path_logprobs``, t
 Reported: the signed mean of δ, p95 and max of |δ|, the sequence log-perplexity difference, and
 the non-negative k3 estimate of KL(π_gen || π_trainer) from generator samples,
 k3 = E[exp(-δ) - 1 + δ]. The gate passes when max |δ| and p95 |δ| are within the declared
-tolerances. Pure TIM needs one version on both sides: every episode must carry the audited
+tolerances.
+
+The audited distribution is the one that sampled: with an untruncated sampler at temperature τ
+the generator's recorded ``behavior_logprobs`` (log softmax(z/τ)) are compared with the trainer
+path at τ, exactly what the ``Trainer`` scores. With top-k/top-p truncation the trainer does not
+reproduce the mask, so the raw log-probs (τ = 1) are compared instead. Pure TIM needs one version on both sides: every episode must carry the audited
 manifest's weight checksum.
 """
 
@@ -22,7 +27,7 @@ from typing import Any
 
 import torch
 
-from closedloop.contracts import ContractError, Episode
+from closedloop.contracts import ContractError, Episode, SamplerConfig
 from closedloop.policy.precision import matmul_precision, precision_label
 from closedloop.policy.prefix_logprobs import trainer_path_logprobs
 from closedloop.rollout.tensors import build_training_batch, shift_targets
@@ -44,6 +49,8 @@ class AuditResult:
     passed: bool
     weight_checksum: str
     trainer_dtype: str
+    temperature: float = 1.0
+    compared: str = "raw"  # "behavior" (the tempered sampler) or "raw" (temperature 1)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form."""
@@ -53,14 +60,21 @@ class AuditResult:
 def audit_logprobs(model: Any, episodes: Sequence[Episode], weight_checksum: str, *,
                    tolerance_max: float = 1e-3, tolerance_p95: float = 1e-4,
                    pad_id: int = 0, micro_batch_size: int = 4,
-                   share_prompt_prefix: bool = True, precision: str = "float32") -> AuditResult:
+                   share_prompt_prefix: bool = True, precision: str = "float32",
+                   sampler: SamplerConfig | None = None) -> AuditResult:
     """Compare recorded generator log-probs with the trainer path at the same weights.
+
+    ``sampler`` (the episodes' sampler) selects what is compared (module doc); ``None`` compares
+    the raw log-probs at temperature 1.
 
     ``precision`` is the trainer's matmul precision (``closedloop.policy.precision``); it is
     reported as ``trainer_dtype`` (``float32``, or ``bfloat16-matmul`` over float32 masters).
     """
+    tempered = sampler is not None and sampler.top_k is None and sampler.top_p >= 1.0
+    temperature = sampler.temperature if tempered and sampler is not None else 1.0
     usable = [ep for ep in episodes if ep.turns and all(
-        t.raw_model_logprobs is not None for t in ep.turns)]
+        (t.behavior_logprobs if tempered else t.raw_model_logprobs) is not None
+        for t in ep.turns)]
     if not usable:
         raise ContractError("no episode with recorded generator log-probs to audit")
     for ep in usable:
@@ -78,8 +92,9 @@ def audit_logprobs(model: Any, episodes: Sequence[Episode], weight_checksum: str
                 mask = shifted.mask_B_T.bool()
                 trainer = trainer_path_logprobs(model, batch.token_ids_B_T,
                                                 batch.attention_mask_B_T, shifted.mask_B_T,
-                                                share_prompt_prefix)
-                deltas.append((shifted.raw_logprobs_B_T - trainer)[mask].double())
+                                                share_prompt_prefix, temperature=temperature)
+                recorded = shifted.behavior_logprobs_B_T if tempered else shifted.raw_logprobs_B_T
+                deltas.append((recorded - trainer)[mask].double())
     finally:
         model.train(was_training)
     delta = torch.cat(deltas)
@@ -93,4 +108,5 @@ def audit_logprobs(model: Any, episodes: Sequence[Episode], weight_checksum: str
         log_ppl_diff=float(delta.mean()), tolerance_max=tolerance_max,
         tolerance_p95=tolerance_p95,
         passed=bool(float(abs_delta.max()) <= tolerance_max and p95 <= tolerance_p95),
-        weight_checksum=weight_checksum, trainer_dtype=dtype)
+        weight_checksum=weight_checksum, trainer_dtype=dtype, temperature=temperature,
+        compared="behavior" if tempered else "raw")

@@ -35,8 +35,9 @@ class LogprobInputError(ContractError):
 def sequence_logprobs(model: Any, token_ids_B_T: torch.Tensor,
                       attention_mask_B_T: torch.Tensor | None = None,
                       target_mask_B_T: torch.Tensor | None = None,
-                      chunk_size: int = 1024) -> torch.Tensor:
-    """Return float32 ``logprobs`` of shape ``[B, T-1]`` (module doc for the convention)."""
+                      chunk_size: int = 1024, temperature: float = 1.0) -> torch.Tensor:
+    """Return float32 ``logprobs`` of shape ``[B, T-1]`` (module doc for the convention), of
+    ``softmax(logits / temperature)`` (the sampler's temperature; 1 scores the raw model)."""
     ids = token_ids_B_T
     mask, sel_B_Tm1 = checked_targets(ids, attention_mask_B_T, target_mask_B_T)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -44,7 +45,8 @@ def sequence_logprobs(model: Any, token_ids_B_T: torch.Tensor,
     hidden_B_T_H = decoder(input_ids=ids, attention_mask=mask, position_ids=positions,
                            use_cache=False).last_hidden_state
     hidden_N_H = hidden_B_T_H[:, :-1][sel_B_Tm1]
-    lp_N = target_logprobs(head, hidden_N_H, ids[:, 1:][sel_B_Tm1], chunk_size)
+    lp_N = target_logprobs(head, hidden_N_H, ids[:, 1:][sel_B_Tm1], chunk_size,
+                           temperature=temperature)
     out_B_Tm1 = torch.zeros(sel_B_Tm1.shape, dtype=torch.float32, device=ids.device)
     return out_B_Tm1.masked_scatter(sel_B_Tm1, lp_N)
 

@@ -71,7 +71,7 @@ def shared_prefix_logprobs(model: Any, token_ids_B_T: torch.Tensor,
                            attention_mask_B_T: torch.Tensor | None = None,
                            target_mask_B_T: torch.Tensor | None = None,
                            prefix_len_B: torch.Tensor | None = None,
-                           chunk_size: int = 1024) -> torch.Tensor:
+                           chunk_size: int = 1024, temperature: float = 1.0) -> torch.Tensor:
     """Return float32 ``logprobs`` ``[B, T-1]``, equal to ``sequence_logprobs`` (module doc).
 
     ``prefix_len_B`` defaults to ``prompt_prefix_lengths`` of the target mask. Each ``p > 0``
@@ -88,12 +88,12 @@ def shared_prefix_logprobs(model: Any, token_ids_B_T: torch.Tensor,
     plain_R = torch.nonzero(live_B & (p_B == 0)).squeeze(1)
     if plain_R.numel():
         lp = sequence_logprobs(model, ids[plain_R], mask[plain_R], sel_B_Tm1[plain_R],
-                               chunk_size=chunk_size)
+                               chunk_size=chunk_size, temperature=temperature)
         out_B_Tm1 = out_B_Tm1.index_copy(0, plain_R, lp)
     shared_S = torch.nonzero(live_B & (p_B > 0)).squeeze(1)
     if shared_S.numel():
         lp = _shared_rows(model, ids[shared_S], mask[shared_S], sel_B_Tm1[shared_S],
-                          p_B[shared_S], chunk_size)
+                          p_B[shared_S], chunk_size, temperature)
         out_B_Tm1 = out_B_Tm1.index_copy(0, shared_S, lp)
     return out_B_Tm1
 
@@ -112,7 +112,8 @@ def _check_prefixes(p_B: torch.Tensor, mask_B_T: torch.Tensor) -> None:
 
 
 def _shared_rows(model: Any, ids_S_T: torch.Tensor, mask_S_T: torch.Tensor,
-                 sel_S_Tm1: torch.Tensor, p_S: torch.Tensor, chunk_size: int) -> torch.Tensor:
+                 sel_S_Tm1: torch.Tensor, p_S: torch.Tensor, chunk_size: int,
+                 temperature: float = 1.0) -> torch.Tensor:
     """Log-probs ``[S, T-1]`` of right-padded rows whose prefixes ``p_S`` are all >= 1."""
     decoder, head = _decoder_and_head(model)
     pre_ids_U_L, pre_len_U, inv_S = _unique_prefixes(ids_S_T, p_S)
@@ -126,7 +127,7 @@ def _shared_rows(model: Any, ids_S_T: torch.Tensor, mask_S_T: torch.Tensor,
     else:
         hidden_N_H = _two_pass_target_hidden(decoder, ids_S_T, mask_S_T, sel_S_Tm1, p_S,
                                              pre_ids_U_L, pre_len_U, inv_S)
-    lp_N = target_logprobs(head, hidden_N_H, tgt_N, chunk_size)
+    lp_N = target_logprobs(head, hidden_N_H, tgt_N, chunk_size, temperature=temperature)
     return out_S_Tm1.masked_scatter(sel_S_Tm1, lp_N)
 
 
@@ -216,8 +217,12 @@ def _target_rows(hidden_R_H: torch.Tensor, pre_start_U: torch.Tensor, suf_start_
 
 def trainer_path_logprobs(model: Any, token_ids_B_T: torch.Tensor,
                           attention_mask_B_T: torch.Tensor, target_mask_B_T: torch.Tensor,
-                          share_prompt_prefix: bool = True) -> torch.Tensor:
+                          share_prompt_prefix: bool = True,
+                          temperature: float = 1.0) -> torch.Tensor:
     """The trainer path's log-probs ``[B, T-1]``: what ``Trainer`` scores and the auditor checks.
+
+    ``temperature`` is the sampler's: the scored distribution is ``softmax(logits / τ)``, the one
+    that drew the tokens (design.md §7, failure 22), so a fresh on-policy ratio is 1.
 
     ``share_prompt_prefix`` forwards each distinct prompt (the ids before a row's first action
     token) once with ``shared_prefix_logprobs``; otherwise every row goes through
@@ -225,7 +230,8 @@ def trainer_path_logprobs(model: Any, token_ids_B_T: torch.Tensor,
     """
     if not share_prompt_prefix:
         return sequence_logprobs(model, token_ids_B_T, attention_mask_B_T,
-                                 target_mask_B_T=target_mask_B_T)
+                                 target_mask_B_T=target_mask_B_T, temperature=temperature)
     return shared_prefix_logprobs(model, token_ids_B_T, attention_mask_B_T,
                                   target_mask_B_T=target_mask_B_T,
-                                  prefix_len_B=prompt_prefix_lengths(target_mask_B_T))
+                                  prefix_len_B=prompt_prefix_lengths(target_mask_B_T),
+                                  temperature=temperature)

@@ -44,11 +44,19 @@ SLICE_BYTES = 24 * 2**20  # under glibc's 32 MiB mmap threshold: slices are recy
 
 
 def target_logprobs(head: Any, hidden_N_H: torch.Tensor, tgt_N: torch.Tensor,
-                    chunk_size: int = 1024, slice_bytes: int = SLICE_BYTES) -> torch.Tensor:
-    """Return float32 ``log softmax(head(h))[n, x_n]`` ``[N]`` (module doc); gradients flow to
-    ``hidden`` and to the head's parameters that require them."""
+                    chunk_size: int = 1024, slice_bytes: int = SLICE_BYTES,
+                    temperature: float = 1.0) -> torch.Tensor:
+    """Return float32 ``log softmax(head(h) / τ)[n, x_n]`` ``[N]`` (module doc); gradients flow
+    to ``hidden`` and to the head's parameters that require them.
+
+    ``temperature`` τ is the sampler's: the distribution that sampled the tokens is
+    ``softmax(z / τ)``, so that is what the trainer, the reference and the auditor score. For a
+    linear head ``z / τ = (h / τ) W^T + b / τ``, so the sliced path scales its inputs.
+    """
     if hidden_N_H.shape[0] == 0:
         return hidden_N_H.new_zeros(0, dtype=torch.float32)
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
     plain = (type(head) is nn.Linear and head.weight.dtype == torch.float32 == hidden_N_H.dtype
              and not torch.is_autocast_enabled(hidden_N_H.device.type))
     precision = linear_precision(head) if plain else None
@@ -56,14 +64,20 @@ def target_logprobs(head: Any, hidden_N_H: torch.Tensor, tgt_N: torch.Tensor,
     for lo in range(0, hidden_N_H.shape[0], chunk_size):
         h_n_H, tgt_n = hidden_N_H[lo:lo + chunk_size], tgt_N[lo:lo + chunk_size]
         if precision is None:
-            parts.append(_TargetLogSoftmax.apply(head(h_n_H).float(), tgt_n))
+            z_n_V = head(h_n_H).float()
+            parts.append(_TargetLogSoftmax.apply(z_n_V if temperature == 1.0
+                                                 else z_n_V / temperature, tgt_n))
         else:
+            bias = head.bias
+            if temperature != 1.0:
+                h_n_H = h_n_H / temperature
+                bias = None if bias is None else bias / temperature
             width = max(1024, slice_bytes // (4 * h_n_H.shape[0]) // 1024 * 1024)
             w_q = bf16_weight(head).detach() if precision == "bfloat16" else None
             keep = torch.is_grad_enabled() and (
                 h_n_H.requires_grad or head.weight.requires_grad
                 or (head.bias is not None and head.bias.requires_grad))
-            parts.append(_SlicedHeadLogprob.apply(h_n_H, head.weight, head.bias, tgt_n, w_q,
+            parts.append(_SlicedHeadLogprob.apply(h_n_H, head.weight, bias, tgt_n, w_q,
                                                   width, keep))
     return torch.cat(parts)
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from closedloop.evaluate.gates import ledger as _ledger
 from closedloop.evaluate.gates import live as _live
+from closedloop.evaluate.gates import signal as _signal
 from closedloop.evaluate.gates import traces as _traces
 from closedloop.evaluate.gates.base import Gate, GateFn, GateOptions, GateReport
 from closedloop.evaluate.gates.live import FN_UPPER_BOUND, FP_UPPER_BOUND
@@ -47,6 +48,7 @@ GATES: tuple[tuple[str, GateFn], ...] = (
     ("one_behavior_version", _traces.gate_one_behavior_version),
     ("weight_checksums", _traces.gate_weight_checksums),
     ("train_inference_mismatch", _ledger.gate_train_inference_mismatch),
+    ("ratio_on_policy", _signal.gate_ratio_on_policy),
     ("max_version_lag", _ledger.gate_max_version_lag),
     ("exactly_once_groups", _ledger.gate_exactly_once),
     ("async_equals_sync", _ledger.gate_async_equals_sync),
@@ -56,6 +58,7 @@ GATES: tuple[tuple[str, GateFn], ...] = (
     ("episode_sum_score_function", _live.gate_episode_sum),
     ("verifier_fp_fn", _live.gate_verifier_fp_fn),
     ("toy_logit_sign", _live.gate_toy_logit_sign),
+    ("learning_signal", _signal.gate_learning_signal),
     ("shuffled_reward_control", _live.gate_shuffled_control),
 )
 GATE_NAMES: tuple[str, ...] = tuple(name for name, _ in GATES)

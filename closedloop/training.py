@@ -270,7 +270,8 @@ class TrainingRun:
         trainer_cfg = TrainerConfig(objective=u.objective, reducer=self.cfg.credit.reduction,
                                     learning_rate=t.learning_rate, kl_beta=u.kl_beta,
                                     kl_estimator=u.kl_estimator, clip_eps=u.clip_eps,
-                                    precision=t.precision)
+                                    precision=t.precision,
+                                    temperature=self.cfg.rollout.temperature)
         self.trainer = Trainer(self.model, trainer_cfg, reference=self.model.disable_adapter)
         self.generator = HFGenerator(self.model, self.tokenizer, seed=t.seed,
                                      precision=t.precision)
@@ -390,7 +391,8 @@ class TrainingRun:
         tol = self.cfg.consistency.max_abs_tolerance
         result = audit_logprobs(self.model, episodes, manifest.weight_checksum,
                                 tolerance_max=tol, tolerance_p95=tol / 10, pad_id=self.pad_id,
-                                precision=self.cfg.training.precision)
+                                precision=self.cfg.training.precision,
+                                sampler=manifest.sampler)
         self._write_json("audit.json", {"label": label, "version": manifest.policy_version,
                                         **result.to_dict()})
         self.log_metrics("audit", result.to_dict())

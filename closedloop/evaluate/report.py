@@ -115,6 +115,10 @@ def capability_claim(gates: GateReport, comparison: Mapping[str, Any]) -> dict[s
     """State a gain only if all gates passed and the paired CI lies above 0 (see module doc)."""
     base = {"comparison": comparison.get("what"), "all_gates_passed": gates.all_passed,
             "failed_gates": gates.failed, "not_measured_gates": gates.not_measured}
+    if "learning_signal" in gates.not_measured:
+        detail = gates.gate("learning_signal").detail
+        return {**base, "gain": None, "statement": f"Capability gain not measured: {detail}. "
+                "No gain is claimed, and none is ruled out."}
     if not gates.all_passed:
         parts = []
         if gates.failed:

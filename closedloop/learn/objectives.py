@@ -75,6 +75,7 @@ class ObjectiveOutput(NamedTuple):
     ratio_p99: float | None
     ratio_max: float | None
     abs_log_ratio_mean: float | None
+    abs_log_ratio_max: float | None
     grad_mass_total: float
     grad_mass_success: float | None
     grad_mass_failure: float | None
@@ -102,7 +103,8 @@ _METRIC_GROUPS: dict[str, str] = {
     **dict.fromkeys(("pg_loss", "kl", "kl_token_mean", "entropy"), "losses"),
     **dict.fromkeys(("clip_frac_token", "clip_frac_turn", "clip_frac_episode"), "clip"),
     **dict.fromkeys(
-        ("ratio_p50", "ratio_p95", "ratio_p99", "ratio_max", "abs_log_ratio_mean"), "ratio"
+        ("ratio_p50", "ratio_p95", "ratio_p99", "ratio_max", "abs_log_ratio_mean",
+         "abs_log_ratio_max"), "ratio"
     ),
     **dict.fromkeys(
         (
@@ -246,7 +248,8 @@ def _ratio_stats(batch: _Batch) -> dict[str, float | None]:
     log_ratio = (batch.new.detach() - batch.beh)[batch.on].double()
     if log_ratio.numel() == 0:
         return dict.fromkeys(
-            ("ratio_p50", "ratio_p95", "ratio_p99", "ratio_max", "abs_log_ratio_mean")
+            ("ratio_p50", "ratio_p95", "ratio_p99", "ratio_max", "abs_log_ratio_mean",
+             "abs_log_ratio_max")
         )
     ratio = log_ratio.exp()
     q = torch.quantile(ratio, ratio.new_tensor([0.5, 0.95, 0.99]))
@@ -256,6 +259,7 @@ def _ratio_stats(batch: _Batch) -> dict[str, float | None]:
         "ratio_p99": float(q[2]),
         "ratio_max": float(ratio.max()),
         "abs_log_ratio_mean": float(log_ratio.abs().mean()),
+        "abs_log_ratio_max": float(log_ratio.abs().max()),
     }
 
 

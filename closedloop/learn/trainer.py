@@ -47,6 +47,9 @@ class TrainerConfig:
     weight_decay: float = 0.0
     share_prompt_prefix: bool = True  # forward each micro-batch's distinct prompts once (exact)
     precision: str = "float32"  # matmul precision (closedloop.policy.precision), as sampled
+    # The sampler's temperature: πθ and π_ref are scored as softmax(logits / temperature), the
+    # distribution that drew the tokens, so a fresh synchronous batch has ratio πθ/π_beh = 1.
+    temperature: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,8 @@ class Trainer:
         self.model = model
         self.config = config
         check_precision(config.precision)
+        if not config.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {config.temperature}")
         self.reference = reference
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
@@ -159,7 +164,8 @@ class Trainer:
                   mask_B_Tm1: torch.Tensor) -> torch.Tensor:
         """Log-probs ``[B, T-1]`` of the realized tokens at ``mask``, prompts shared or not."""
         return trainer_path_logprobs(self.model, ids_B_T, attn_B_T, mask_B_Tm1,
-                                     self.config.share_prompt_prefix)
+                                     self.config.share_prompt_prefix,
+                                     temperature=self.config.temperature)
 
 
 def _chunks(n: int, size: int) -> list[list[int]]:
@@ -170,7 +176,8 @@ def _merge_metrics(outputs: list[tuple[ObjectiveOutput, int]]) -> Metrics:
     """Combine micro-batch metrics: sums for losses and counts, episode-weighted means else.
 
     Losses and gradient masses are sums over micro-batches (each already carries its share of
-    the whole-batch normalization); ratios, clip fractions and entropy are averaged.
+    the whole-batch normalization); maxima (``*_max``) are maxima; ratio quantiles, clip
+    fractions and entropy are averaged.
     """
     merged: Metrics = {}
     per = [o.metrics() for o, _ in outputs]
@@ -182,6 +189,8 @@ def _merge_metrics(outputs: list[tuple[ObjectiveOutput, int]]) -> Metrics:
         elif key.startswith(("batch/", "grad_mass/")) or key in ("losses/loss",
                                                                  "losses/pg_loss", "losses/kl"):
             merged[key] = sum(float(v) for v, _ in present)  # type: ignore[arg-type,misc]
+        elif key.endswith("_max"):  # a tail bound must stay a bound across micro-batches
+            merged[key] = max(float(v) for v, _ in present)  # type: ignore[arg-type,misc]
         else:
             merged[key] = (sum(float(v) * n for v, n in present)  # type: ignore[arg-type,misc]
                            / sum(n for _, n in present))

@@ -21,6 +21,7 @@ from closedloop.contracts import Action, ClosedloopError, Episode
 from closedloop.envs.check import check_env, check_reset, replay_property
 from closedloop.envs.errors import EpisodeDoneError, SealedSnapshotError
 from closedloop.evaluate.gates.base import MAX_LISTED, Gate, GateOptions, make_gate
+from closedloop.evaluate.gates.signal import learning_signal
 from closedloop.evaluate.rundir import (
     RunDir,
     arm_evaluation,
@@ -344,8 +345,14 @@ def _arm_success(path: Any, label: str | None = None) -> tuple[str, dict[str, fl
 
 def gate_shuffled_control(run: RunDir, opts: GateOptions) -> Gate:
     """The shuffled-reward arm shows no stable held-out gain: the paired bootstrap interval of
-    (shuffled final - baseline) by task must not lie above 0. Baseline: the frozen arm's
+    (shuffled final - baseline) by task must not lie above 0. Counted only when the RL arm had
+    a learning signal (``learning_signal``); otherwise not measured. Baseline: the frozen arm's
     evaluation (its final one, else its start one), else the shuffled arm's own start."""
+    signal = learning_signal(run)
+    if not signal.sufficient:
+        return Gate("shuffled_reward_control", None, signal.to_dict(),
+                    "not measured: the null control counts only when the RL arm had a learning "
+                    "signal (see learning_signal)")
     exp = experiment_of(run.path)
     arms = find_arms(exp) if exp is not None else {}
     shuffled = next((p for n, p in sorted(arms.items()) if "shuffl" in n.lower()), None)

@@ -205,6 +205,7 @@ def parse_config(data: Any) -> RunConfig:
     except FieldError as exc:
         raise ConfigError(exc.field, exc.reason) from None
     _check_ranges(cfg)
+    _check_honoured(cfg)
     return cfg
 
 
@@ -232,6 +233,56 @@ def _check_ranges(cfg: RunConfig) -> None:
     except Exception as exc:
         raise ConfigError("rollout", str(exc)) from None
     _check_model(cfg.model)
+
+
+# Keys of the seed's YAML whose other values the run does not implement: (dotted key, the one
+# value the run honours, what the run does instead). Any other value is a ConfigError naming the
+# key, so a config never asks for behaviour that silently does not happen.
+_HONOURED_ONLY: tuple[tuple[str, object, str], ...] = (
+    ("trainable", "lora", "full fine-tuning is not implemented: the trainer updates a LoRA "
+     "adapter on the (warm-started) base"),
+    ("policy.require_manifest", True, "every episode is collected under a complete "
+     "PolicyManifest; collecting without one is not implemented"),
+    ("policy.lock_scaffold_across_checkpoints", True, "the renderer, system prompt and tools are "
+     "fixed for the whole run; a scaffold that changes between checkpoints is not implemented"),
+    ("environment.reset_each_episode", True, "every episode starts from a fresh reset of its "
+     "(task, seed); carrying state across episodes is not implemented"),
+    ("environment.base_snapshot_per_task", True, "every episode records its task's base "
+     "snapshot id at reset and the collector checks it against the group lease"),
+    ("environment.branching", False, "turn-level forks are not implemented (restore fidelity "
+     "is gated first: restore_replay, fork_isolation_and_seal)"),
+    ("consistency.audit_frozen_checkpoint", True, "the run always audits the frozen start "
+     "checkpoint (audit.json); the train_inference_mismatch gate needs it"),
+    ("weight_sync.require_all_worker_checksums", True, "a version is published only after the "
+     "generator acknowledges its weight checksum"),
+    ("evaluation.temporal_cutoff", "preregistered", "the seeded train/held-out split is written "
+     "to tasks.json before any update; no other cutoff is implemented"),
+    ("evaluation.repository_overlap_audit", "exact_and_semantic", "the overlap audit runs the "
+     "exact and the near-duplicate check (closedloop.envs.tasks.overlap); a weaker audit is "
+     "not offered"),
+)
+
+
+def _dotted(cfg: RunConfig, key: str) -> object:
+    value: object = cfg
+    for name in key.split("."):
+        value = getattr(value, name)
+    return value
+
+
+def _check_honoured(cfg: RunConfig) -> None:
+    for key, honoured, reason in _HONOURED_ONLY:
+        value = _dotted(cfg, key)
+        if value != honoured or type(value) is not type(honoured):
+            raise ConfigError(key, f"only {honoured!r} is implemented, got {value!r}: {reason}")
+    ev = cfg.evaluation
+    if len(ev.seeds) < ev.attempts_per_task:
+        raise ConfigError("evaluation.seeds", f"{len(ev.seeds)} seeds for attempts_per_task="
+                          f"{ev.attempts_per_task}: each attempt needs its own seed")
+    if cfg.update.reference_policy == "initial" and cfg.sft.enabled:
+        raise ConfigError("update.reference_policy", "'initial' (the pre-SFT weights) is not "
+                          "kept as a reference when sft.enabled: π_ref is the warm-started base "
+                          "('initial_sft'); without SFT the two are the same weights")
 
 
 def _check_model(model: str) -> None:

@@ -32,6 +32,15 @@ from closedloop.envs.errors import (
     WorkspaceLimitError,
     WorkspacePathError,
 )
+from closedloop.envs.plugin import (
+    EnvPackage,
+    EnvPackageError,
+    EnvTaskSets,
+    TaskInfo,
+    TaskSetRequest,
+    UnknownEnvironmentError,
+    resolve_package,
+)
 from closedloop.envs.protocol import AgentEnv
 from closedloop.envs.sandbox import (
     CommandResult,
@@ -59,6 +68,9 @@ from closedloop.envs.workspace import (
 
 # contract and tasks
 __all__ = ["AgentEnv", "HiddenGrader", "TaskBundle", "TaskSpec"]
+# the plug-in contract
+__all__ += ["EnvPackage", "EnvPackageError", "EnvTaskSets", "TaskInfo", "TaskSetRequest",
+            "UnknownEnvironmentError", "resolve_package"]
 # the terminal-repair environment
 __all__ += ["ENV_VERSION", "EnvConfig", "TerminalRepairEnv", "validate_spec"]
 # state export (what the verifier reads)

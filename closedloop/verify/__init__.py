@@ -12,10 +12,10 @@ from closedloop.verify.fixtures import (
     independent_label,
 )
 from closedloop.verify.graders import GradeResult, UnknownGraderError, grade
+from closedloop.verify.protocol import GuardedVerifier, ScoreResult, TaskVerifier, guarded
 from closedloop.verify.verifier import (
     REWARD_KEYS,
     VERIFIER_VERSION,
-    ScoreResult,
     TaskValidation,
     ValidationReport,
     Verifier,
@@ -26,7 +26,8 @@ from closedloop.verify.verifier import (
 
 __all__ = [
     "REWARD_KEYS", "VERIFIER_VERSION", "AdjudicatedFixture", "FamilyCounts", "FixtureError",
-    "GradeResult", "ScoreResult", "TaskValidation", "UnknownGraderError", "ValidationReport",
+    "GradeResult", "GuardedVerifier", "ScoreResult", "TaskValidation", "TaskVerifier",
+    "UnknownGraderError", "ValidationReport",
     "Verifier", "VerifierAudit", "audit_verifier", "build_fixtures", "check_solvable",
-    "detect_tamper", "grade", "independent_label", "replay_actions",
+    "detect_tamper", "grade", "guarded", "independent_label", "replay_actions",
 ]

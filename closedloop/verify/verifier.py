@@ -34,30 +34,12 @@ from closedloop.envs.tasks.registry import get_bundle
 from closedloop.envs.terminal import TerminalRepairEnv
 from closedloop.envs.workspace import ExportedState, decode_state
 from closedloop.verify.graders import GRADERS_VERSION, GradeResult, grade
+from closedloop.verify.protocol import ScoreResult
 
 VERIFIER_VERSION = f"verifier-v1+{GRADERS_VERSION}"
 REWARD_KEYS: tuple[str, ...] = ("task_success", "policy_violation", "collateral_damage",
                                 "tool_calls", "invalid_actions", "tamper_detected")
 BundleSource = Callable[[str], TaskBundle]
-
-
-@dataclass(frozen=True)
-class ScoreResult:
-    """A reward vector, or ``None`` with the reason the episode was quarantined.
-
-    grade_reason: the hidden grader's short reason (``"ok"`` on success), when scored.
-    """
-
-    task_id: str
-    reward: dict[str, float] | None
-    quarantine_reason: str | None
-    verifier_version: str
-    grade_reason: str | None = None
-
-    @property
-    def scored(self) -> bool:
-        """True when a reward vector was produced."""
-        return self.reward is not None
 
 
 def detect_tamper(bundle: TaskBundle, state: ExportedState) -> str | None:

@@ -54,7 +54,7 @@ from closedloop.envs.tasks.retain import retain_task_ids
 from closedloop.envs.tasks.split import build_task_sets
 from closedloop.evaluate.heldout import EvalSummary, summarize_eval
 from closedloop.evaluate.retain import summarize_suites
-from closedloop.learn.audit import AuditResult, audit_logprobs
+from closedloop.learn.audit import AuditResult, audit_logprobs, audit_tolerances
 from closedloop.learn.checkpoint import (
     capture_rng_states,
     load_latest,
@@ -388,13 +388,16 @@ class TrainingRun:
         synchronous objective is only valid when the two paths agree.
         """
         _, episodes = load_episodes(self.dir / "traces" / f"eval-{label}.jsonl")
-        tol = self.cfg.consistency.max_abs_tolerance
+        c = self.cfg.consistency
+        bounds = audit_tolerances(c.tolerance_source, c.max_abs_tolerance, self.model, episodes,
+                                  pad_id=self.pad_id, sampler=manifest.sampler)
+        tol = bounds.tolerance_max
         result = audit_logprobs(self.model, episodes, manifest.weight_checksum,
-                                tolerance_max=tol, tolerance_p95=tol / 10, pad_id=self.pad_id,
-                                precision=self.cfg.training.precision,
+                                tolerance_max=tol, tolerance_p95=bounds.tolerance_p95,
+                                pad_id=self.pad_id, precision=self.cfg.training.precision,
                                 sampler=manifest.sampler)
         self._write_json("audit.json", {"label": label, "version": manifest.policy_version,
-                                        **result.to_dict()})
+                                        **result.to_dict(), **bounds.to_dict()})
         self.log_metrics("audit", result.to_dict())
         log(f"log-prob audit at {manifest.policy_version}: max |Δ| {result.abs_max:.2e}, p95 "
             f"{result.abs_p95:.2e}, k3 {result.k3:.2e} over {result.n_tokens} tokens -> "

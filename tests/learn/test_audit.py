@@ -8,7 +8,7 @@ import torch
 
 from closedloop.contracts import ContractError, Episode, SamplerConfig, sha256_hex
 from closedloop.envs.tasks.registry import list_tasks
-from closedloop.learn.audit import audit_logprobs
+from closedloop.learn.audit import audit_logprobs, audit_tolerances
 from closedloop.policy import ChatRenderer, HFGenerator, build_tiny_model, load_embedded_tokenizer
 from closedloop.policy.weights import weights_checksum
 from closedloop.rollout.source import GeneratorSource
@@ -80,3 +80,45 @@ def test_other_weights_are_not_a_same_version_audit(sampled):
     model, _, episodes = sampled
     with pytest.raises(ContractError, match="other weights"):
         audit_logprobs(model, episodes, sha256_hex("another version"))
+
+
+# -- consistency.tolerance_source -------------------------------------------------------------
+def test_fixed_tolerances_are_the_declared_ones(sampled):
+    model, _, episodes = sampled
+    bounds = audit_tolerances("fixed", 1e-3, model, episodes)
+    assert (bounds.tolerance_max, bounds.tolerance_p95) == (1e-3, 1e-4)
+    assert bounds.baseline_abs_max is None
+
+
+def test_the_bf16_baseline_admits_bf16_rounding_and_still_catches_a_misalignment(sampled):
+    """An fp32 generator audited against a bf16-matmul trainer differs by bf16 rounding alone:
+    a tight fixed tolerance fails it, the same-engine baseline (2 × |bf16 - fp32| of the trainer
+    path) passes it, and a recorded log-prob off by 1 nat still fails under the baseline."""
+    model, checksum, episodes = sampled
+    tight = audit_tolerances("fixed", 1e-5, model, episodes)
+    base = audit_tolerances("bf16_same_engine_baseline", 1e-5, model, episodes)
+    assert base.baseline_abs_max is not None and base.baseline_abs_p95 is not None
+    assert base.baseline_abs_max > 1e-5  # bf16 rounding moves log-probs: ~0.2 on this model
+    assert base.tolerance_max == 2 * base.baseline_abs_max
+    assert base.tolerance_p95 == max(1e-6, 2 * base.baseline_abs_p95)
+    verdicts = {}
+    for name, b in (("fixed", tight), ("baseline", base)):
+        verdicts[name] = audit_logprobs(model, episodes, checksum, precision="bfloat16",
+                                        tolerance_max=b.tolerance_max,
+                                        tolerance_p95=b.tolerance_p95).passed
+    assert verdicts == {"fixed": False, "baseline": True}
+    assert base.tolerance_max < 1.0
+    first = episodes[0].turns[0]
+    raw = list(first.raw_model_logprobs)
+    raw[0] -= 1.0
+    broken = Episode(episodes[0].trajectory, (dataclasses.replace(first, raw_model_logprobs=raw),
+                                              *episodes[0].turns[1:]))
+    off = audit_logprobs(model, [broken, *episodes[1:]], checksum,
+                         tolerance_max=base.tolerance_max, tolerance_p95=base.tolerance_p95)
+    assert off.abs_max > base.tolerance_max and not off.passed
+
+
+def test_an_unknown_tolerance_source_is_refused(sampled):
+    model, _, episodes = sampled
+    with pytest.raises(ContractError, match="tolerance source"):
+        audit_tolerances("eyeballed", 1e-3, model, episodes)

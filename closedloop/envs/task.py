@@ -26,6 +26,9 @@ class TaskSpec:
     commands: the ``run`` tool's allowlist, command name -> argv (executed inside the workspace).
     protected_paths: files that must stay unchanged (collateral damage is measured on them).
     step_budget: steps per episode; running out is ``task_budget_exhausted_terminal``.
+    template: the template name (``<base>.<level>`` in a leveled family).
+    hint_level: how much the objective gives away (``exact``, ``located`` or ``symptom``; see
+        ``closedloop.envs.tasks.base.HINT_LEVELS``).
     """
 
     task_id: str
@@ -39,6 +42,7 @@ class TaskSpec:
     protected_paths: tuple[str, ...]
     step_budget: int
     env_version: str = "terminal-repair-v1"
+    hint_level: str = "symptom"
 
 
 @dataclass(frozen=True)

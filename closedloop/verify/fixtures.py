@@ -33,6 +33,7 @@ from typing import Any
 from closedloop.contracts import Action, ClosedloopError
 from closedloop.envs.sandbox import run_command
 from closedloop.envs.task import TaskBundle
+from closedloop.envs.tasks.base import base_template, leveled_name
 from closedloop.envs.tasks.registry import FAMILIES, generate_task, get_bundle
 from closedloop.envs.workspace import decode_state
 from closedloop.verify.verifier import replay_actions
@@ -211,7 +212,8 @@ def independent_label(bundle: TaskBundle, files: Mapping[str, str],
         return _text_lines(got) == _text_lines(want)
     if path.endswith(".py"):
         rng = random.Random(f"{FIXTURES_VERSION}/{bundle.spec.task_id}")
-        inputs = [initial["input.txt"], *_fresh_inputs(bundle.spec.template, rng)]
+        inputs = [initial["input.txt"], *_fresh_inputs(base_template(bundle.spec.template),
+                                                        rng)]
         ours, gold = _program_outputs(got, inputs), _program_outputs(want, inputs)
         if gold is None or None in gold:
             raise FixtureError(f"{bundle.spec.task_id}: the gold program fails the checker")
@@ -312,7 +314,7 @@ def _alt_program(template: str, source: str) -> str:
 
 
 def _program_variants(bundle: TaskBundle, ref: str) -> list[Variant]:
-    template = bundle.spec.template
+    template = base_template(bundle.spec.template)
     alt = _alt_program(template, bundle.spec.initial_files["prog.py"])
     check = bundle.spec.initial_files["check.py"]
     expected = check.split("EXPECTED = ", 1)[1].split("\n", 1)[0]
@@ -376,9 +378,11 @@ def build_task_fixtures(bundle: TaskBundle, seed: int = 0) -> list[AdjudicatedFi
 
 
 def default_fixture_task_ids() -> tuple[str, ...]:
-    """Index 0 of every template of every family (train and held-out templates alike)."""
-    return tuple(generate_task(f.family_id, t, 0).spec.task_id
-                 for f in FAMILIES.values() for t in f.templates)
+    """Index 0 of every base template of every family (train and held-out alike), posed at the
+    ``symptom`` level: the levels of one task share files, checks and gold actions, so the
+    grader's fixtures do not depend on the level."""
+    return tuple(generate_task(f.family_id, leveled_name(b, "symptom"), 0).spec.task_id
+                 for f in FAMILIES.values() for b in f.base_templates)
 
 
 @lru_cache(maxsize=4)

@@ -28,20 +28,24 @@ from closedloop.envs.tasks.base import (
     MAX_GOLD_ACTIONS,
     TemplateFamily,
     assemble_bundle,
+    template_level,
 )
 from closedloop.envs.tasks.registry import generate_task as cached_generate
 
 ALL_TEMPLATES = [(f.family_id, t) for f in FAMILIES.values() for t in f.templates]
 
 
-def test_four_versioned_families_with_four_templates_each() -> None:
+def test_four_versioned_families_with_leveled_templates() -> None:
     assert FAMILY_IDS == ("file-repair-v1", "json-repair-v1", "schema-repair-v1",
                           "cli-repair-v1")
-    assert len(ALL_TEMPLATES) == 16
     for family in FAMILIES.values():
-        assert len(family.templates) >= 4
-        assert len(family.heldout_templates) == 1
-        assert set(family.heldout_templates) < set(family.templates)
+        assert len(family.base_templates) >= 4
+        assert len(family.heldout_templates) >= 1
+        assert set(family.heldout_templates) < set(family.base_templates)
+        assert family.templates == tuple(f"{b}.{lv}" for b in family.base_templates
+                                         for lv in family.levels)
+    assert len(ALL_TEMPLATES) == sum(len(f.base_templates) * len(f.levels)
+                                     for f in FAMILIES.values())
 
 
 @settings(max_examples=25, deadline=None)
@@ -59,28 +63,32 @@ def test_generation_is_deterministic_and_ignores_global_state(pair: tuple[str, s
 
 
 def test_same_id_same_bundle_and_different_index_different_task() -> None:
-    a = generate_task("json-repair-v1", "wrong-type", 3)
+    a = generate_task("json-repair-v1", "wrong-type.symptom", 3)
     assert get_bundle(a.spec.task_id) is a  # memoized lookup
     assert get_spec(a.spec.task_id) == a.spec
     assert get_grader(a.spec.task_id) == a.grader
-    b = generate_task("json-repair-v1", "wrong-type", 4)
+    b = generate_task("json-repair-v1", "wrong-type.symptom", 4)
     assert a.spec.task_id != b.spec.task_id
     assert a.spec.initial_files != b.spec.initial_files
 
 
 def test_task_id_is_content_hashed_and_checked() -> None:
-    bundle = generate_task("file-repair-v1", "duplicate-line", 7)
+    bundle = generate_task("json-repair-v1", "wrong-type.exact", 7)
     family, template, rest = bundle.spec.task_id.split("/")
-    assert (family, template) == ("file-repair-v1", "duplicate-line")
+    assert (family, template) == ("json-repair-v1", "wrong-type.exact")
+    assert bundle.spec.hint_level == "exact"
     assert rest.startswith("007-") and len(rest) == len("007-") + 8
     forged = bundle.spec.task_id[:-1] + ("0" if bundle.spec.task_id[-1] != "0" else "1")
     with pytest.raises(UnknownTaskError, match="does not match"):
         get_bundle(forged)
-    for bad in ("json-repair-v1/wrong-type", "nope/x/001-abcdef01", "", "a/b/1-abcdef01"):
+    for bad in ("json-repair-v1/wrong-type", "nope/x/001-abcdef01", "", "a/b/1-abcdef01",
+                "json-repair-v1/wrong-type/007-" + rest[-8:],  # a base name is not a template
+                "json-repair-v1/wrong-type.hard/007-" + rest[-8:]):
         with pytest.raises(UnknownTaskError):
             get_bundle(bad)
-    with pytest.raises(UnknownTaskError, match="no template"):
-        generate_task("json-repair-v1", "no-such-template", 0)
+    for template in ("no-such-template", "wrong-type", "wrong-type.hard", "no-such.exact"):
+        with pytest.raises(UnknownTaskError, match="no template"):
+            generate_task("json-repair-v1", template, 0)
 
 
 @pytest.mark.parametrize(("family", "template"), ALL_TEMPLATES)
@@ -88,7 +96,9 @@ def test_every_template_respects_the_task_contract(family: str, template: str) -
     for index in range(3):
         bundle = cached_generate(family, template, index)
         spec, grader = bundle.spec, bundle.grader
-        assert spec.split == ("heldout" if template in FAMILIES[family].heldout_templates
+        base, level = template_level(template)
+        assert (spec.template, spec.hint_level) == (template, level)
+        assert spec.split == ("heldout" if base in FAMILIES[family].heldout_templates
                               else "train")
         assert spec.step_budget == 8
         assert 1 <= len(grader.gold_actions) <= min(MAX_GOLD_ACTIONS, spec.step_budget)
@@ -128,7 +138,7 @@ def test_cli_hidden_inputs_and_outputs_stay_out_of_the_workspace(template: str) 
 
 
 def test_json_reference_value_is_not_a_workspace_file() -> None:
-    bundle = generate_task("json-repair-v1", "trailing-comma", 2)
+    bundle = generate_task("json-repair-v1", "trailing-comma.symptom", 2)
     path = bundle.grader.checks["path"]
     with pytest.raises(ValueError):
         json.loads(bundle.spec.initial_files[path])  # the workspace copy is broken
@@ -161,7 +171,25 @@ def test_broken_drafts_are_refused(overrides: dict[str, object], message: str) -
 
 
 def test_template_family_rejects_unknown_template() -> None:
-    fam = TemplateFamily("t-v1", {"tpl": lambda rng: _draft()}, heldout_templates=())
+    fam = TemplateFamily("t-v1", {"tpl": lambda rng: _draft()}, heldout_templates=(),
+                         levels=())
+    assert fam.templates == fam.base_templates == ("tpl",)
     assert build_bundle(fam, "tpl", 0).spec.task_id.startswith("t-v1/tpl/000-")
     with pytest.raises(UnknownTaskError):
         build_bundle(fam, "other", 0)
+    with pytest.raises(UnknownTaskError):
+        build_bundle(fam, "tpl.symptom", 0)
+
+
+def test_a_level_the_builder_did_not_write_is_a_generation_error() -> None:
+    hinted = TemplateFamily("t-v1", {"tpl": lambda rng: _draft(hints={"exact": "Do x.txt."})},
+                            heldout_templates=("tpl",))
+    assert hinted.templates == ("tpl.exact", "tpl.located", "tpl.symptom")
+    exact = build_bundle(hinted, "tpl.exact", 0)
+    assert (exact.spec.objective, exact.spec.hint_level, exact.spec.split) == (
+        "Do x.txt.", "exact", "heldout")
+    assert build_bundle(hinted, "tpl.symptom", 0).spec.objective == "Fix a.txt."
+    with pytest.raises(TaskGenerationError, match="located"):
+        build_bundle(hinted, "tpl.located", 0)
+    with pytest.raises(UnknownTaskError):
+        build_bundle(hinted, "tpl", 0)  # a base name is not a template of a leveled family

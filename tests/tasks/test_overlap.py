@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from closedloop.envs.tasks import audit_overlap, default_task_sets
+from closedloop.envs.tasks import audit_overlap, default_task_sets, generate_task, parse_task_id
+from closedloop.envs.tasks.base import base_template, template_level
 from closedloop.envs.tasks.overlap import (
     DEDUP_RULE_VERSION,
     fingerprint_text,
@@ -25,7 +26,7 @@ def test_default_split_is_disjoint() -> None:
     assert json.loads(json.dumps(report.to_dict()))["disjoint"] is True
     assert report.max_similarity < report.threshold == 0.8
     assert (report.n_train, report.n_heldout) == (48, 16)
-    assert report.dedup_rule_version == DEDUP_RULE_VERSION == "v1"
+    assert report.dedup_rule_version == DEDUP_RULE_VERSION == "v2"
     # template-disjoint, not family-disjoint: reported, not hidden
     assert len(report.shared_families) == 4
 
@@ -52,8 +53,26 @@ def test_shared_template_is_reported() -> None:
     sets = default_task_sets()
     first = sets.train[3].spec  # the first 4 train tasks share one template
     report = audit_overlap(sets.train[:3], [first])
-    assert report.shared_templates == (f"{first.family}/{first.template}",)
+    assert report.shared_templates == (f"{first.family}/{base_template(first.template)}",)
     assert report.exact_pairs == ()
+
+
+def test_another_hint_level_of_a_train_task_is_the_same_task() -> None:
+    sets = default_task_sets()
+    source = next(b for b in sets.train if b.spec.hint_level == "exact").spec
+    family, template, index = parse_task_id(source.task_id)
+    base, _ = template_level(template)
+    other = generate_task(family, f"{base}.symptom", index).spec
+    assert other.objective != source.objective and other.task_id != source.task_id
+    report = audit_overlap(sets.train, [*(b.spec for b in sets.heldout), other])
+    same_task = {b.spec.task_id for b in sets.train
+                 if b.spec.family == family and base_template(b.spec.template) == base
+                 and parse_task_id(b.spec.task_id)[2] == index}  # its paired levels in train
+    assert source.task_id in same_task
+    assert {(p.train_id, p.heldout_id) for p in report.exact_pairs} == {
+        (t, other.task_id) for t in same_task}
+    assert report.shared_templates == (f"{family}/{base}",)
+    assert not report.disjoint
 
 
 def test_similarity_primitives() -> None:
@@ -63,4 +82,6 @@ def test_similarity_primitives() -> None:
     assert jaccard(shingles("abcdefg"), shingles("abcdefx")) == 0.5
     spec = default_task_sets().train[0].spec
     assert "check.py" in fingerprint_text(spec)
+    assert spec.objective.lower() in fingerprint_text(spec)
+    assert spec.objective.lower() not in fingerprint_text(spec, objective=False)
     assert "check.py" not in fingerprint_text(spec, exclude=("check.py",))

@@ -77,7 +77,7 @@ def test_empty_fixture_set_has_no_rates() -> None:
 
 
 def test_hand_label_must_agree_with_the_independent_checker() -> None:
-    bundle = generate_task("json-repair-v1", "wrong-type", 0)
+    bundle = generate_task("json-repair-v1", "wrong-type.symptom", 0)
     reference = {**bundle.spec.initial_files}
     path = bundle.grader.checks["path"]
     reference[path] = json.dumps(bundle.grader.checks["expected"])
@@ -99,7 +99,7 @@ def test_hand_label_must_agree_with_the_independent_checker() -> None:
 
 
 def test_cli_independent_checker_uses_fresh_inputs() -> None:
-    bundle = generate_task("cli-repair-v1", "wrong-builtin", 0)
+    bundle = generate_task("cli-repair-v1", "wrong-builtin.symptom", 0)
     source = bundle.spec.initial_files["prog.py"]
     gold = bundle.grader.gold_actions[2].args
     fixed = source.replace(gold["old"], gold["new"])

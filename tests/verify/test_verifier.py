@@ -9,6 +9,7 @@ import pytest
 from closedloop.contracts import Action, TamperDetected
 from closedloop.envs.errors import StateDecodeError
 from closedloop.envs.tasks import default_task_sets, generate_task, get_bundle, list_tasks
+from closedloop.envs.tasks.base import base_template
 from closedloop.envs.workspace import decode_state
 from closedloop.verify import REWARD_KEYS, Verifier, replay_actions
 
@@ -20,7 +21,7 @@ def _gold_state(task_id: str, prefix: tuple[Action, ...] = ()) -> bytes:
 
 def _task(family: str, template: str) -> str:
     return next(b.spec.task_id for b in (*default_task_sets().train, *default_task_sets().heldout)
-                if (b.spec.family, b.spec.template) == (family, template))
+                if (b.spec.family, base_template(b.spec.template)) == (family, template))
 
 
 def test_validate_passes_for_every_default_task() -> None:
@@ -140,7 +141,7 @@ def test_corrupt_state_bytes_are_quarantined_not_scored_zero() -> None:
 
 
 def test_validate_reports_a_grader_that_rejects_its_gold_solution() -> None:
-    bundle = generate_task("file-repair-v1", "duplicate-line", 0)
+    bundle = generate_task("file-repair-v1", "duplicate-line.symptom", 0)
     lenient = dataclasses.replace(bundle, grader=dataclasses.replace(
         bundle.grader, checks={**bundle.grader.checks, "expected":
                                bundle.spec.initial_files[bundle.grader.checks["path"]]

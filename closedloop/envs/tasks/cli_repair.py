@@ -215,5 +215,6 @@ FAMILY = TemplateFamily(
     builders={"off-by-one": off_by_one, "wrong-builtin": wrong_builtin,
               "wrong-separator": wrong_separator, "sort-order": sort_order},
     heldout_templates=("sort-order",),
+    levels=("symptom",),  # the exact and located objectives come next
     description="Fix a one-line bug in a tiny Python command-line program.",
 )

@@ -216,5 +216,6 @@ FAMILY = TemplateFamily(
     builders={"ini-wrong-value": ini_wrong_value, "duplicate-line": duplicate_line,
               "csv-missing-header": csv_missing_header, "csv-bad-delimiter": csv_bad_delimiter},
     heldout_templates=("csv-bad-delimiter",),
+    levels=("symptom",),  # the exact and located objectives come next
     description="Fix one defect in a plain config, list or CSV file.",
 )

@@ -1,11 +1,13 @@
 """``json-repair-v1``: a small JSON config file is broken; repair it.
 
-Templates (the last one is held out):
+Base templates (the last one is held out), each at the three hint levels of ``base``:
 
 - ``trailing-comma``: a comma after the last member; the file does not parse.
 - ``wrong-type``: an integer value is stored as a string.
-- ``missing-key``: a required key is absent; the objective gives its value.
+- ``missing-key``: a required key is absent; ``README.md`` documents its value.
 - ``missing-quote``: a string value lost its closing quote; the file does not parse.
+
+Every gold edit is one single-line ``replace`` (``exact`` quotes its old and new text).
 
 ``README.md`` is a protected invariant. Hidden grader (``kind="json_equal"``): the final file
 parses (duplicate keys rejected) and equals the expected value with strict types (``8080`` is
@@ -21,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from closedloop.contracts import Action
-from closedloop.envs.tasks.base import TaskDraft, TemplateFamily
+from closedloop.envs.tasks.base import TaskDraft, TemplateFamily, shown
 
 FAMILY_ID = "json-repair-v1"
 _FILES = ("config.json", "settings.json", "service.json", "app.json")
@@ -78,13 +80,17 @@ def _render(data: dict[str, Any]) -> str:
     return json.dumps(data, indent=2) + "\n"
 
 
-def _draft(rng: random.Random, path: str, expected: dict[str, Any], broken: str, objective: str,
-           edit: Action) -> TaskDraft:
+def _draft(path: str, expected: dict[str, Any], broken: str, objectives: tuple[str, str, str],
+           edit: Action, readme: str = "") -> TaskDraft:
+    """objectives: (exact, located, symptom)."""
     types = {k: type(v).__name__ for k, v in expected.items()}
+    exact, located, symptom = objectives
     return TaskDraft(
-        objective=objective,
+        objective=symptom,
+        hints={"exact": exact, "located": located},
         initial_files={path: broken, "check.py": _CHECK.format(path=path, types=types),
-                       "README.md": f"# Service\n\nThe service reads its settings from {path}.\n"},
+                       "README.md": f"# Service\n\nThe service reads its settings from {path}.\n"
+                                    + readme},
         commands={"check": ("python3", "check.py")},
         protected_paths=("README.md",),
         validator_paths=("check.py",),
@@ -94,17 +100,32 @@ def _draft(rng: random.Random, path: str, expected: dict[str, Any], broken: str,
     )
 
 
+def _exact(path: str, old: str, new: str, why: str) -> str:
+    return (f"In {path} replace `{shown(old)}` with `{shown(new)}` ({why}), run `check`, then "
+            "finish.")
+
+
+def _member(key: str, value: Any) -> str:
+    return f'"{key}": {json.dumps(value)}'
+
+
 def trailing_comma(rng: random.Random) -> TaskDraft:
     """A comma after the last member of the object."""
     path = rng.choice(_FILES)
     expected = _config(rng, ())
-    good = _render(expected)
-    last = good.rstrip("\n").split("\n")[-2]
-    broken = good.replace(f"{last}\n}}", f"{last},\n}}")
-    objective = (f"{path} is not valid JSON because of a trailing comma. Fix the syntax so it "
-                 "parses, keeping every key and value unchanged. Run `check` to test it.")
-    edit = Action.tool("replace", path=path, old=f"{last},\n}}", new=f"{last}\n}}")
-    return _draft(rng, path, expected, broken, objective, edit)
+    last_key = list(expected)[-1]
+    good_member = _member(last_key, expected[last_key])
+    broken = _render(expected).replace(f"{good_member}\n}}", f"{good_member},\n}}")
+    old, new = f"{good_member},", good_member
+    objectives = (
+        _exact(path, old, new, "the trailing comma after the last member"),
+        f"{path} does not parse because its last member, `{last_key}`, is followed by a trailing "
+        "comma before the closing brace. Remove that comma, keep every value, run `check`, then "
+        "finish.",
+        f"{path} fails to parse as JSON. Make it valid JSON with every key and value unchanged, "
+        "run `check`, then finish.")
+    return _draft(path, expected, broken, objectives, Action.tool("replace", path=path, old=old,
+                                                                  new=new))
 
 
 def wrong_type(rng: random.Random) -> TaskDraft:
@@ -113,25 +134,36 @@ def wrong_type(rng: random.Random) -> TaskDraft:
     expected = _config(rng, (_INT_KEYS,))
     key = next(k for k in expected if k in _INT_KEYS)
     value = expected[key]
-    good_line, bad_line = f'"{key}": {value}', f'"{key}": "{value}"'
-    broken = _render(expected).replace(good_line, bad_line)
-    objective = (f"In {path}, `{key}` must be an integer but is stored as a string. Make it the "
-                 f"integer {value} and keep all other values unchanged. Run `check` to test it.")
-    edit = Action.tool("replace", path=path, old=bad_line, new=good_line)
-    return _draft(rng, path, expected, broken, objective, edit)
+    good, bad = f'"{key}": {value}', f'"{key}": "{value}"'
+    broken = _render(expected).replace(good, bad)
+    objectives = (
+        _exact(path, bad, good, "an integer, not a string"),
+        f"In {path}, `{key}` must be an integer but is stored as a string. Change its type "
+        "without changing its value or any other key, run `check`, then finish.",
+        f"`check` reports a type error in {path}. Fix {path} so `check` passes without changing "
+        "any value, then finish.")
+    return _draft(path, expected, broken, objectives, Action.tool("replace", path=path, old=bad,
+                                                                  new=good))
 
 
 def missing_key(rng: random.Random) -> TaskDraft:
-    """A required key is absent; the objective states its value."""
+    """A required key is absent; README.md documents its value."""
     path = rng.choice(_FILES)
     expected = _config(rng, ())
-    key = rng.choice(list(expected))
+    key = rng.choice(list(expected)[1:])
+    first = next(iter(expected))
     broken = _render({k: v for k, v in expected.items() if k != key})
-    member = f'"{key}": {json.dumps(expected[key])}'
-    objective = (f"{path} is missing the required key `{key}`. Add {member} and keep the other "
-                 "keys and values unchanged. Run `check` to test it.")
-    edit = Action.tool("write_file", path=path, content=_render(expected))
-    return _draft(rng, path, expected, broken, objective, edit)
+    anchor = _member(first, expected[first]) + ","
+    member = _member(key, expected[key])
+    readme = f"\nRequired: `{key}` = {json.dumps(expected[key])}.\n"
+    objectives = (
+        _exact(path, anchor, f"{anchor} {member},", f"this adds the missing key `{key}`"),
+        f"{path} lacks the required key `{key}`. Add it with the value README.md documents, keep "
+        "the other keys unchanged, run `check`, then finish.",
+        f"`check` fails on {path}. Fix {path} so it passes, with the values documented in "
+        "README.md and no existing value changed, then finish.")
+    edit = Action.tool("replace", path=path, old=anchor, new=f"{anchor} {member},")
+    return _draft(path, expected, broken, objectives, edit, readme)
 
 
 def missing_quote(rng: random.Random) -> TaskDraft:
@@ -139,15 +171,17 @@ def missing_quote(rng: random.Random) -> TaskDraft:
     path = rng.choice(_FILES)
     expected = _config(rng, (_STR_KEYS,))
     key = next(k for k in expected if k in _STR_KEYS)
-    good_member = f'"{key}": "{expected[key]}"'
-    bad_member = f'"{key}": "{expected[key]}'
+    good_member = _member(key, expected[key])
+    bad_member = good_member[:-1]
     broken = _render(expected).replace(good_member, bad_member)
-    objective = (f"{path} does not parse: a string value is missing its closing quote. Fix it so "
-                 "the file is valid JSON with the intended values. Run `check` to test it.")
-    # Replace through the following character (comma or newline) so ``old`` is unique.
-    nxt = broken[broken.index(bad_member) + len(bad_member)]
-    edit = Action.tool("replace", path=path, old=bad_member + nxt, new=good_member + nxt)
-    return _draft(rng, path, expected, broken, objective, edit)
+    objectives = (
+        _exact(path, bad_member, good_member, "the missing closing quote"),
+        f"{path} does not parse because the string value of `{key}` lacks its closing quote. "
+        "Add the quote without changing the value, run `check`, then finish.",
+        f"{path} fails to parse as JSON. Make it valid JSON with the intended values, run "
+        "`check`, then finish.")
+    edit = Action.tool("replace", path=path, old=bad_member, new=good_member)
+    return _draft(path, expected, broken, objectives, edit)
 
 
 FAMILY = TemplateFamily(

@@ -1,9 +1,11 @@
 """The task registry: versioned family ids, deterministic generation and cheap lookup.
 
 ``generate_task(family, template, index)`` is a pure function of its arguments (memoized).
-A task id ``family/template/NNN-hash8`` names its own generator inputs, so ``get_bundle`` parses
-the id, regenerates (from the cache after the first call) and checks that the content hash still
-matches: an id from an older generator version is an ``UnknownTaskError``, never a different task.
+A task id ``family/template/NNN-hash8`` (``template`` = ``<base>.<level>``, e.g.
+``json-repair-v1/wrong-type.exact/003-1a2b3c4d``) names its own generator inputs, so
+``get_bundle`` parses the id, regenerates (from the cache after the first call) and checks that
+the content hash still matches: an id from an older generator version is an
+``UnknownTaskError``, never a different task.
 
 ``get_spec`` is the public part (for environments); ``get_grader`` is for the verifier only.
 ``list_tasks`` lists the default 48/16 task sets of ``closedloop.envs.tasks.split`` (built and
@@ -26,7 +28,7 @@ FAMILIES: Mapping[str, TaskFamily] = MappingProxyType({
                              cli_repair.FAMILY)
 })
 FAMILY_IDS: tuple[str, ...] = tuple(FAMILIES)
-_ID_RE = re.compile(r"^(?P<family>[a-z0-9-]+)/(?P<template>[a-z0-9-]+)/(?P<index>\d{3,})-"
+_ID_RE = re.compile(r"^(?P<family>[a-z0-9-]+)/(?P<template>[a-z0-9.-]+)/(?P<index>\d{3,})-"
                     r"(?P<digest>[0-9a-f]{8})$")
 
 

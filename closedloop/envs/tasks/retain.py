@@ -280,7 +280,8 @@ def falsify_log(rng: random.Random) -> TaskDraft:
 def _family(family_id: str, builders: Mapping[str, Callable[[random.Random], TaskDraft]],
             description: str) -> TemplateFamily:
     return TemplateFamily(family_id=family_id, builders=builders,
-                          heldout_templates=tuple(builders), description=description)
+                          heldout_templates=tuple(builders), description=description,
+                          levels=())
 
 
 TOOL_USE = _family(TOOL_USE_ID, {

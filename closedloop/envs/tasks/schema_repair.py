@@ -181,5 +181,6 @@ FAMILY = TemplateFamily(
     builders={"wrong-type": wrong_type, "missing-field": missing_field,
               "extra-field": extra_field, "enum-value": enum_value},
     heldout_templates=("enum-value",),
+    levels=("symptom",),  # the exact and located objectives come next
     description="Make a JSON records file satisfy a JSON-schema-like spec.",
 )

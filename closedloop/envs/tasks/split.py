@@ -4,13 +4,24 @@ Each family assigns its templates to ``train`` or ``heldout`` (``TaskFamily.held
 so the two sets are template-disjoint: held-out success measures transfer to a kind of breakage
 never trained on, not recall of a few changed numbers (seed 000 §7, ``template_disjoint``).
 
+Disjointness is at the *base* template level: a leveled template ``<base>.<level>`` is held
+out iff its base is, so no kind of breakage is trained on at any hint level and evaluated at
+another.
+
 ``build_task_sets`` fills each split's quota balanced over families (remainders go to the first
-families in ``FAMILY_IDS`` order), then over each family's templates of that split. Candidate
-indices of a template are a seeded permutation; each candidate passes the *solvability filter*
-(replay the gold actions through the real environment and grade the final state; the untouched
-initial state must fail) or is discarded with its reason and replaced by the next candidate, at
-most ``max_attempts_factor`` times the quota per template. A template that cannot fill its quota
-leaves its split short; the shortfall is visible as ``TaskSets.shortfall``.
+families in ``FAMILY_IDS`` order), then over each family's base templates of that split, then
+over the split's hint levels (a base's remainder goes to the levels after those that got the
+previous remainder, round-robin over the split, so small quotas still cover every level).
+Candidate indices are a seeded permutation per *base* template, shared by its levels: the levels
+of one base draw the same indices first, so their tasks are paired (same breakage, different
+hint). Each candidate passes the *solvability filter* (replay the gold actions through the real
+environment and grade the final state; the untouched initial state must fail) or is discarded
+with its reason and replaced by the next candidate, at most ``max_attempts_factor`` times the
+quota per leveled template. A template that cannot fill its quota leaves its split short; the
+shortfall is visible as ``TaskSets.shortfall``.
+
+``build_family_disjoint_set`` draws the family-disjoint held-out suite from
+``registry.HELDOUT_FAMILIES`` (families never in ``FAMILIES``, so never trained on).
 """
 
 from __future__ import annotations
@@ -21,7 +32,14 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from closedloop.envs.task import Split, TaskBundle
-from closedloop.envs.tasks.base import TaskFamily, build_bundle
+from closedloop.envs.tasks.base import (
+    HINT_LEVELS,
+    TaskFamily,
+    UnknownTaskError,
+    build_bundle,
+    leveled_name,
+    template_parts,
+)
 from closedloop.envs.tasks.registry import FAMILIES
 
 SolvabilityFilter = Callable[[TaskBundle], str | None]
@@ -74,25 +92,56 @@ def _spread(total: int, n: int) -> list[int]:
     return [base + (1 if i < rem else 0) for i in range(n)]
 
 
-def template_quotas(families: Sequence[TaskFamily], split: Split,
-                    total: int) -> list[tuple[TaskFamily, str, int]]:
-    """Return (family, template, quota) for ``split``, balanced over families then templates."""
-    eligible = [f for f in families
-                if any((t in f.heldout_templates) == (split == "heldout") for t in f.templates)]
-    if not eligible:
-        return []
-    out: list[tuple[TaskFamily, str, int]] = []
-    for family, fam_quota in zip(eligible, _spread(total, len(eligible)), strict=True):
-        templates = [t for t in family.templates
-                     if (t in family.heldout_templates) == (split == "heldout")]
-        for template, quota in zip(templates, _spread(fam_quota, len(templates)), strict=True):
-            out.append((family, template, quota))
+def _check_levels(levels: Sequence[str]) -> tuple[str, ...]:
+    out = tuple(levels)
+    bad = [lv for lv in out if lv not in HINT_LEVELS]
+    if not out or bad or len(set(out)) != len(out):
+        raise UnknownTaskError(f"hint levels must be distinct names from {HINT_LEVELS}, "
+                               f"got {out}")
     return out
 
 
-def candidate_indices(seed: int, family_id: str, template: str, n: int) -> list[int]:
-    """The first ``n`` candidate indices of a template for ``seed`` (a seeded permutation)."""
-    rng = random.Random(f"task-sets/{seed}/{family_id}/{template}")
+def template_quotas(families: Sequence[TaskFamily], split: Split, total: int,
+                    levels: Sequence[str] = HINT_LEVELS) -> list[tuple[TaskFamily, str, int]]:
+    """Return (family, template, quota) for ``split``: families, then bases, then levels.
+
+    ``template`` is ``<base>.<level>`` for each of ``levels`` the family has; a base's
+    remainder over the levels starts where the previous base's stopped (round-robin).
+    """
+    lv = _check_levels(levels)
+    wanted = split == "heldout"
+    eligible = [f for f in families if any((b in f.heldout_templates) == wanted
+                                           for b in f.base_templates)]
+    if not eligible:
+        return []
+    out: list[tuple[TaskFamily, str, int]] = []
+    cursor = 0
+    for family, fam_quota in zip(eligible, _spread(total, len(eligible)), strict=True):
+        bases = [b for b in family.base_templates if (b in family.heldout_templates) == wanted]
+        fam_levels = [level for level in lv if level in family.levels]
+        for base, quota in zip(bases, _spread(fam_quota, len(bases)), strict=True):
+            if not family.levels:  # an unleveled family: the base is the template
+                out.append((family, base, quota))
+                continue
+            if not fam_levels:
+                raise UnknownTaskError(f"family {family.family_id!r} has none of the hint "
+                                       f"levels {lv} (it has {family.levels})")
+            even, rem = divmod(quota, len(fam_levels))
+            parts = [even] * len(fam_levels)
+            for i in range(rem):
+                parts[(cursor + i) % len(parts)] += 1
+            cursor = (cursor + rem) % len(parts)
+            out.extend((family, leveled_name(base, level), q)
+                       for level, q in zip(fam_levels, parts, strict=True))
+    return out
+
+
+def candidate_indices(seed: int, family_id: str, base: str, n: int) -> list[int]:
+    """The first ``n`` candidate indices of a base template for ``seed`` (seeded permutation).
+
+    Shared by the base's hint levels, so its levels draw the same indices first.
+    """
+    rng = random.Random(f"task-sets/{seed}/{family_id}/{base}")
     return rng.sample(range(INDEX_SPACE), n)
 
 
@@ -101,7 +150,10 @@ def _fill(family: TaskFamily, template: str, quota: int, split: Split, seed: int
                                                              list[DiscardedTask]]:
     kept: list[TaskBundle] = []
     dropped: list[DiscardedTask] = []
-    for index in candidate_indices(seed, family.family_id, template, quota * factor):
+    if quota == 0:
+        return kept, dropped
+    base, _ = template_parts(family, template)
+    for index in candidate_indices(seed, family.family_id, base, quota * factor):
         if len(kept) == quota:
             break
         bundle = build_bundle(family, template, index)
@@ -113,26 +165,35 @@ def _fill(family: TaskFamily, template: str, quota: int, split: Split, seed: int
     return kept, dropped
 
 
+def _default_filter(solvability: SolvabilityFilter | None) -> SolvabilityFilter:
+    if solvability is not None:
+        return solvability
+    from closedloop.verify.verifier import check_solvable  # verify sits above envs
+
+    return check_solvable
+
+
 def build_task_sets(train_tasks: int = 48, heldout_tasks: int = 16, seed: int = 0, *,
                     families: Sequence[TaskFamily] | None = None,
                     solvability: SolvabilityFilter | None = None,
-                    max_attempts_factor: int = 2) -> TaskSets:
+                    max_attempts_factor: int = 2,
+                    train_levels: Sequence[str] = HINT_LEVELS,
+                    heldout_levels: Sequence[str] = HINT_LEVELS) -> TaskSets:
     """Build template-disjoint train and held-out sets, filtered for solvability.
 
-    families: defaults to the four registered families; solvability: defaults to
-    ``closedloop.verify.check_solvable`` (gold replay through the real environment + grader).
+    families: defaults to the four registered families (leveled ``TemplateFamily``s);
+    solvability: defaults to ``closedloop.verify.check_solvable`` (gold replay through the real
+    environment + grader); train_levels / heldout_levels: the hint levels each split is posed at.
     """
     fams = list(families) if families is not None else list(FAMILIES.values())
-    if solvability is None:
-        from closedloop.verify.verifier import check_solvable  # verify sits above envs
-
-        solvability = check_solvable
+    solvable = _default_filter(solvability)
     out: dict[str, list[TaskBundle]] = {"train": [], "heldout": []}
     discarded: list[DiscardedTask] = []
-    splits: tuple[tuple[Split, int], ...] = (("train", train_tasks), ("heldout", heldout_tasks))
-    for split, total in splits:
-        for family, template, quota in template_quotas(fams, split, total):
-            kept, dropped = _fill(family, template, quota, split, seed, solvability,
+    splits: tuple[tuple[Split, int, Sequence[str]], ...] = (
+        ("train", train_tasks, train_levels), ("heldout", heldout_tasks, heldout_levels))
+    for split, total, levels in splits:
+        for family, template, quota in template_quotas(fams, split, total, levels):
+            kept, dropped = _fill(family, template, quota, split, seed, solvable,
                                   max_attempts_factor)
             out[split].extend(kept)
             discarded.extend(dropped)

@@ -24,13 +24,20 @@ class ActionParseError(ContractError):
 
 
 class TraceFormatError(ContractError):
-    """A trace line is corrupt. Names the line (1-based), the field and the reason."""
+    """A trace line is corrupt. Names the file (when read from one), the line (1-based; 0 for
+    a whole-trace check), the field and the reason."""
 
-    def __init__(self, line: int, field: str, reason: str) -> None:
-        super().__init__(f"trace line {line}: field {field!r}: {reason}")
+    def __init__(self, line: int, field: str, reason: str, path: str | None = None) -> None:
+        where = f"{path}: " if path else ""
+        super().__init__(f"{where}trace line {line}: field {field!r}: {reason}")
         self.line = line
         self.field = field
         self.reason = reason
+        self.path = path
+
+    def in_file(self, path: object) -> TraceFormatError:
+        """The same error, naming ``path``."""
+        return TraceFormatError(self.line, self.field, self.reason, str(path))
 
 
 class SnapshotMismatchError(ClosedloopError):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,10 +26,18 @@ from closedloop.contracts.records import (
 )
 from closedloop.contracts.schema import FieldError, decode_record, encode_record
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
 
 def record_to_line(record: TraceRecord) -> str:
-    """Return the canonical JSON line of a record (no trailing newline)."""
-    return canonical_json(encode_record(record))
+    """Return the canonical JSON line of a record (no trailing newline).
+
+    A lone surrogate (model text such as ``"a\\udbff"`` parses to one) can only sit inside a
+    JSON string, and is written as its ``\\uXXXX`` escape: the line is valid UTF-8 and reads
+    back as the same record.
+    """
+    line = canonical_json(encode_record(record))
+    return _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", line)
 
 
 def record_from_line(line: str, lineno: int = 1) -> TraceRecord:
@@ -90,12 +99,27 @@ class TraceWriter:
 
 
 def read_trace(path: str | Path) -> Iterator[TraceRecord]:
-    """Yield every record of a trace; the first corrupt line raises ``TraceFormatError``."""
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                raise TraceFormatError(lineno, "<line>", "empty line")
-            yield record_from_line(line, lineno)
+    """Yield every record of a trace; the first corrupt line raises ``TraceFormatError``
+    naming the file and the line (bytes that are not UTF-8 and a line cut short by a crash
+    included; a missing or unreadable file too, as line 0)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            for lineno, line in enumerate(fh, start=1):
+                if not line.strip():
+                    raise TraceFormatError(lineno, "<line>", "empty line", str(path))
+                if not line.endswith("\n"):
+                    raise TraceFormatError(lineno, "<line>", "the last line is cut short (no "
+                                           "newline): the file was not closed", str(path))
+                try:
+                    yield record_from_line(line, lineno)
+                except TraceFormatError as exc:
+                    raise exc.in_file(path) from None
+    except UnicodeDecodeError as exc:
+        raise TraceFormatError(0, "<file>", f"not UTF-8 text ({exc.reason} at byte "
+                               f"{exc.start})", str(path)) from None
+    except OSError as exc:
+        raise TraceFormatError(0, "<file>", f"cannot read: {exc.strerror or exc}",
+                               str(path)) from None
 
 
 @dataclass(frozen=True)
@@ -162,5 +186,8 @@ def _assemble_one(traj: TrajectoryRecord, turns: list[TurnRecord]) -> Episode:
 
 
 def load_episodes(path: str | Path) -> tuple[list[GroupLease], list[Episode]]:
-    """Read a trace file and assemble its episodes."""
-    return assemble_episodes(read_trace(path))
+    """Read a trace file and assemble its episodes; ``TraceFormatError`` names the file."""
+    try:
+        return assemble_episodes(read_trace(path))
+    except TraceFormatError as exc:
+        raise (exc if exc.path else exc.in_file(path)) from None

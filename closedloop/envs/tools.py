@@ -102,7 +102,32 @@ _JSON_TYPES: dict[str, tuple[type, ...]] = {"string": (str,), "integer": (int,),
                                             "array": (list,)}
 
 
+def _unencodable(value: Any) -> bool:
+    """Whether ``value`` holds a string (or object key) that UTF-8 cannot encode: a lone
+    surrogate, which JSON's ``\\udXXX`` escapes produce from pure-ASCII action text."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, list | tuple):
+        return any(_unencodable(v) for v in value)
+    if isinstance(value, Mapping):
+        return any(_unencodable(k) or _unencodable(v) for k, v in value.items())
+    return False
+
+
 def _bind(tool: ToolSpec, args: Mapping[str, Any]) -> dict[str, Any]:
+    """Check the arguments against the tool's parameters; ``bad_arguments`` on any mismatch.
+
+    Every string (keys and nested values included) must be encodable text: this runs before
+    the tool looks at the state, so such a call changes nothing but the step counters.
+    """
+    bad = sorted(repr(k) for k, v in args.items() if _unencodable(k) or _unencodable(v))
+    if bad:
+        raise ToolFailure("bad_arguments", f"{tool.name}: argument {bad[0]} holds text that "
+                          "is not valid Unicode (a lone surrogate)")
     known = {p.name for p in tool.params}
     unknown = sorted(set(args) - known)
     if unknown:

@@ -54,8 +54,8 @@ def normalize_path(path: object, *, allow_root: bool = False) -> str:
     ``.`` segments are dropped; ``"."`` (and ``""`` after dropping) is the workspace root, which
     only ``allow_root=True`` accepts (it returns ``""``); a trailing ``/`` is accepted only then.
     Absolute paths, ``..`` and reserved prefixes raise with code ``path_denied``; other
-    malformations (non-string, empty segment, NUL, control characters, backslash, too long,
-    too deep) raise with code ``bad_arguments``.
+    malformations (non-string, empty segment, NUL, control characters, backslash, a lone
+    surrogate, too long, too deep) raise with code ``bad_arguments``.
     """
     if not isinstance(path, str):
         raise WorkspacePathError("bad_arguments", "path must be a string")
@@ -63,6 +63,10 @@ def normalize_path(path: object, *, allow_root: bool = False) -> str:
         raise WorkspacePathError("bad_arguments", f"path longer than {MAX_PATH_CHARS} chars")
     if any(ord(c) < 32 or ord(c) == 127 for c in path) or "\\" in path:
         raise WorkspacePathError("bad_arguments", "path holds a control character or backslash")
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        raise WorkspacePathError("bad_arguments", "path is not valid Unicode text") from None
     if path.startswith("/"):
         raise WorkspacePathError("path_denied", "absolute paths are outside the workspace",
                                  "path_escape")

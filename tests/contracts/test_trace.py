@@ -121,3 +121,34 @@ def test_manifest_scaffold_hash_ignores_weights_only():
     assert PolicyManifest.from_dict(m.to_dict()) == m
     with pytest.raises(ContractError, match="unknown manifest fields"):
         PolicyManifest.from_dict({**m.to_dict(), "typo": 1})
+
+
+def test_lone_surrogates_in_tool_args_round_trip_as_valid_utf8(tmp_path):
+    # '{"path": "a\udbff.txt"}' is pure ASCII model text; JSON decodes it to a lone surrogate
+    rec = make_turn(tool_args={"path": "a\udbff.txt", "k\udc00": ["\ud800"]})
+    path = tmp_path / "trace.jsonl"
+    with TraceWriter(path) as w:
+        w.write(rec)
+    path.read_bytes().decode("utf-8")  # strict: the file is valid UTF-8
+    (back,) = read_trace(path)
+    assert back == rec
+
+
+def test_errors_name_the_file_and_a_torn_last_line(tmp_path):
+    good = record_to_line(make_turn())
+    path = tmp_path / "step-0003.jsonl"
+    path.write_text(good + "\n" + good[: len(good) // 2])  # a writer killed mid-line
+    with pytest.raises(TraceFormatError, match="cut short") as info:
+        list(read_trace(path))
+    assert str(path) in str(info.value) and info.value.line == 2
+    path.write_text(good + "\n" + good.replace('"turn":0', '"turn":"0"') + "\n")
+    with pytest.raises(TraceFormatError) as info:
+        load_episodes(path)
+    assert info.value.path == str(path) and f"{path}: trace line 2" in str(info.value)
+    path.write_bytes(good.encode() + b"\n\xff\xfe\n")
+    with pytest.raises(TraceFormatError, match="not UTF-8") as info:
+        list(read_trace(path))
+    assert info.value.path == str(path)
+    with pytest.raises(TraceFormatError, match="cannot read") as info:
+        load_episodes(tmp_path / "missing.jsonl")
+    assert "missing.jsonl" in str(info.value)

@@ -15,6 +15,7 @@ from closedloop.contracts.errors import (
     ClosedloopError,
     ConfigError,
     ContractError,
+    InfrastructureError,
     MixedPolicyGroupError,
     SnapshotMismatchError,
     StalePolicyError,
@@ -53,6 +54,7 @@ __all__ = [
     # trace records and I/O
     "Episode",
     "GroupLease",
+    "InfrastructureError",
     "MixedPolicyGroupError",
     # policy boundary
     "PolicyManifest",

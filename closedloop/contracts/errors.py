@@ -40,6 +40,16 @@ class TraceFormatError(ContractError):
         return TraceFormatError(self.line, self.field, self.reason, str(path))
 
 
+class InfrastructureError(ClosedloopError):
+    """The machinery under an episode failed (a sandbox that could not start, a worker that
+    died, a deadline), not the agent and not the code.
+
+    The collector turns exactly these (and the built-in ``TimeoutError``) into the
+    ``infra_abort`` termination, unscored; any other exception is a programming error and
+    stops the run with its traceback.
+    """
+
+
 class SnapshotMismatchError(ClosedloopError):
     """A restored or replayed state does not have the hash its snapshot or trace promised."""
 

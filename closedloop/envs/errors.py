@@ -7,7 +7,12 @@ The classes here are for callers: the collector, the verifier, task authors and 
 
 from __future__ import annotations
 
-from closedloop.contracts import ClosedloopError, ContractError, SnapshotMismatchError
+from closedloop.contracts import (
+    ClosedloopError,
+    ContractError,
+    InfrastructureError,
+    SnapshotMismatchError,
+)
 
 
 class EnvError(ClosedloopError):
@@ -62,7 +67,7 @@ class UnknownSnapshotError(SnapshotMismatchError):
     """The snapshot id is not in this environment's snapshot store."""
 
 
-class SandboxInfraError(EnvError):
+class SandboxInfraError(EnvError, InfrastructureError):
     """The sandbox itself failed (could not create the directory or start the process).
 
     This is an infrastructure event, never an observation the agent is trained on: the step is
@@ -92,3 +97,27 @@ class ReplayMismatchError(EnvCheckError):
 
 class ForkIsolationError(EnvCheckError):
     """A write in one fork reached a sibling fork, the parent, or the snapshot."""
+
+
+class RestoreMismatchError(ReplayMismatchError):
+    """``restore`` (or ``fork``) left the env at a state hash other than the snapshot's."""
+
+
+class InvalidActionEffectError(EnvCheckError):
+    """An unparsable text was not reported as an error, or its effect depended on the text."""
+
+
+class ProbeNoEffectError(EnvCheckError):
+    """The fork probe (a declared state-changing action) did not change the state."""
+
+
+class EnvRaisedError(EnvCheckError):
+    """The environment raised its own exception during a check (named in the message)."""
+
+
+class EnvVersionMismatchError(EnvCheckError):
+    """``make_env().env_version`` is not the package's ``env_version``."""
+
+
+class VerifierCheckError(EnvCheckError):
+    """The verifier rejected the scripted expert's final state or accepted the initial one."""

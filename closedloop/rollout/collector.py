@@ -10,6 +10,14 @@ as it happens and every episode ends with a ``TrajectoryRecord``:
   the exported state, outside the agent's reach;
 - censored ones (``max_token_truncation``, ``max_step_truncation``, ``tool_timeout``,
   ``infra_abort``, ``scheduler_cancel``) get reward ``None``, never 0.
+
+Only declared infrastructure failures (``INFRA_FAILURES``: ``InfrastructureError``, e.g. the
+sandbox's ``SandboxInfraError``, and ``TimeoutError``) raised by a reset, the action source or
+a step become ``infra_abort``. Anything else (a ``TypeError`` in the generator or the
+environment) is a programming error: it propagates and stops the run, and since the trace is
+written to a ``.partial`` file and the ledger is not touched during collection, the run
+directory stays consistent for a resume once the bug is fixed. Malformed model text is not an
+exception at all: the environment answers it with a structured error observation.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from closedloop.contracts import (
     ActionParseError,
     Episode,
     GroupLease,
+    InfrastructureError,
     PolicyManifest,
     SnapshotMismatchError,
     Termination,
@@ -36,6 +45,9 @@ from closedloop.contracts import (
 from closedloop.contracts.records import ActionKindOrInvalid
 from closedloop.envs.protocol import AgentEnv
 from closedloop.rollout.source import ActionSample, ActionSource, ContextBudgetExceeded
+
+INFRA_FAILURES: tuple[type[Exception], ...] = (InfrastructureError, TimeoutError)
+"""The exceptions the collector records as ``infra_abort``; every other one propagates."""
 
 
 class Renderer(Protocol):
@@ -108,7 +120,7 @@ class _Live:
 def _safe_hash(env: AgentEnv) -> str:
     try:
         return env.state_hash()
-    except Exception:
+    except INFRA_FAILURES:
         return "unavailable"
 
 
@@ -212,7 +224,7 @@ class Collector:
                     f"{lease.base_snapshot_id}")
             ep.prompt_ids = self.renderer.render_prompt(observation)
             self.source.open(key, lease.task_id, ep.prompt_ids, observation)
-        except Exception:
+        except INFRA_FAILURES:
             ep.timings["infra_error"] = 1.0
             ep.termination = Termination.INFRA_ABORT
             traceback.print_exc()
@@ -231,7 +243,7 @@ class Collector:
             if rest and len(rest) < len(live):
                 self._step_all(rest)
             return
-        except Exception:
+        except INFRA_FAILURES:
             traceback.print_exc()
             for ep in live:
                 ep.termination = Termination.INFRA_ABORT
@@ -263,7 +275,7 @@ class Collector:
                     termination = tr.termination or Termination.ENV_TERMINAL_FAILURE
                 elif turn + 1 >= self.config.max_turns:
                     termination = Termination.MAX_STEP_TRUNCATION
-            except Exception as exc:
+            except INFRA_FAILURES as exc:
                 traceback.print_exc()
                 termination, error = Termination.INFRA_ABORT, f"infra_abort: {exc!r}"[:500]
         timings["env_s"] = time.perf_counter() - t0

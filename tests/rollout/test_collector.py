@@ -133,3 +133,81 @@ def test_context_window_overflow_is_censored_not_cut(tokenizer, renderer):
         assert ep.trajectory.termination == Termination.MAX_TOKEN_TRUNCATION
         assert ep.trajectory.reward is None
         assert ep.turns == ()  # ended before any action: never generated from a cut context
+
+
+class Scripted:
+    """Plays a fixed list of actions, then ``finish``."""
+
+    def __init__(self, actions):
+        self.actions = list(actions)
+
+    def act(self, observation):
+        return self.actions.pop(0) if self.actions else Action.finish()
+
+
+def _command_task():
+    from closedloop.envs.tasks.registry import get_spec
+    for task in list_tasks(split="train"):
+        spec = get_spec(task)
+        if spec.commands and "run" in spec.allowed_tools:
+            return task, sorted(spec.commands)[0]
+    raise AssertionError("no train task allows run")
+
+
+def _collect_one(renderer, policy, task, writer=None):
+    from closedloop.contracts import sha256_hex
+    source = ScriptedSource(lambda task_id, key: policy, renderer.encode)
+    collector = make_collector(source, manifest_for(renderer, sha256_hex("scripted")),
+                               CollectorParts(renderer, Verifier(), "run-infra", writer, 8))
+    (group,) = collector.collect([collector.make_lease("g0", task, 11, 1)])
+    return group.episodes[0]
+
+
+def test_sandbox_infrastructure_failure_is_infra_abort_unscored(renderer, monkeypatch):
+    import closedloop.envs.sandbox as sandbox_module
+
+    task, command = _command_task()
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(sandbox_module.tempfile, "mkdtemp", broken)
+    ep = _collect_one(renderer, Scripted([Action.tool("run", command=command)]), task)
+    assert ep.trajectory.termination == Termination.INFRA_ABORT
+    assert ep.trajectory.reward is None
+    assert ep.turns[-1].observation_error.startswith("infra_abort: SandboxInfraError")
+
+
+def test_programming_errors_propagate_instead_of_becoming_infra_abort(tmp_path, renderer,
+                                                                      monkeypatch):
+    from closedloop.envs.terminal import TerminalRepairEnv
+
+    task, _ = _command_task()
+
+    class Broken:
+        def act(self, observation):
+            raise TypeError("generator bug")
+
+    trace = tmp_path / "trace.partial"
+    with pytest.raises(TypeError, match="generator bug"), TraceWriter(trace) as writer:
+        _collect_one(renderer, Broken(), task, writer)
+
+    def broken_step(self, action):
+        raise TypeError("env bug")
+
+    monkeypatch.setattr(TerminalRepairEnv, "step", broken_step)
+    with pytest.raises(TypeError, match="env bug"):
+        _collect_one(renderer, Scripted([Action.tool("list_dir")]), task)
+
+
+def test_malformed_and_surrogate_text_is_an_observation_not_an_error(tmp_path, renderer):
+    task, _ = _command_task()
+    texts = ["<tool_call>{not json", '<tool_call>{"name": "write_file", "arguments": '
+             '{"path": "a\\udbff.txt", "content": "x"}}</tool_call>']
+    trace = tmp_path / "trace.jsonl"
+    with TraceWriter(trace) as writer:
+        ep = _collect_one(renderer, Scripted(texts), task, writer)
+    assert [t.observation_error for t in ep.turns] == ["invalid_action", "bad_arguments", None]
+    assert ep.trajectory.termination == Termination.AGENT_FINISH
+    _, (back,) = load_episodes(trace)
+    assert back.turns[1].tool_args == {"path": "a\udbff.txt", "content": "x"}

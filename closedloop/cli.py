@@ -18,76 +18,77 @@ def _print(data: Any, as_json: bool, text: str) -> None:
     print(json.dumps(data, indent=2, sort_keys=True, default=str) if as_json else text)
 
 
+def _package(args: argparse.Namespace) -> Any:
+    """The environment package of a command: ``--config``'s, else ``--env``/``--env-factory``,
+    else the built-in terminal tasks."""
+    from closedloop.envs.plugin import resolve_package
+    from closedloop.runtime import run_package
+
+    if getattr(args, "config", None):
+        from closedloop.config import load_config
+
+        return run_package(load_config(args.config).environment)
+    return resolve_package(args.env, args.env_factory)
+
+
+def _task_sets(package: Any, split: str | None) -> list[str]:
+    """The ids of the package's default task sets (48 train / 16 held-out, seed 0)."""
+    from closedloop.envs.plugin import TaskSetRequest
+
+    sets = package.task_sets(TaskSetRequest(48, 16, 0))
+    if split is None:
+        return [*sets.train, *sets.heldout]
+    return list(sets.train if split == "train" else sets.heldout)
+
+
 def cmd_tasks(args: argparse.Namespace) -> int:
     """List tasks or show one (the hidden grader is never shown)."""
-    from closedloop.envs.tasks.registry import get_spec, list_tasks
-
+    package = _package(args)
     if args.action == "list":
-        ids = list_tasks(split=args.split) if args.split else list_tasks()
-        rows = [{"id": t, "family": get_spec(t).family, "split": get_spec(t).split} for t in ids]
+        rows = [{"id": info.task_id, "family": info.family, "split": info.split}
+                for info in map(package.task_info, _task_sets(package, args.split))]
         text = "\n".join(f"{r['split']:8} {r['family']:18} {r['id']}" for r in rows)
-        _print(rows, args.json, text + f"\n{len(rows)} tasks")
+        _print(rows, args.json, text + f"\n{len(rows)} tasks of {package.env_id}")
         return 0
     if not args.task_id:
         raise SystemExit("tasks show needs a TASK_ID")
-    spec = get_spec(args.task_id)
-    data = {"id": spec.task_id, "family": spec.family, "template": spec.template,
-            "split": spec.split, "objective": spec.objective,
-            "allowed_tools": list(spec.allowed_tools), "commands": dict(spec.commands),
-            "protected_paths": list(spec.protected_paths), "step_budget": spec.step_budget,
-            "files": dict(spec.initial_files)}
-    text = "\n".join([f"{spec.task_id}  ({spec.family}, {spec.split})", spec.objective,
-                      f"tools: {', '.join(spec.allowed_tools)}; commands: "
-                      f"{', '.join(spec.commands)}; budget {spec.step_budget} steps",
-                      *(f"--- {p}\n{c}" for p, c in spec.initial_files.items())])
+    info = package.task_info(args.task_id)
+    data = {"id": info.task_id, "env_id": package.env_id, "family": info.family,
+            "split": info.split, "objective": info.objective, **dict(info.details)}
+    text = "\n".join([f"{info.task_id}  ({info.family}, {info.split}, {package.env_id})",
+                      info.objective,
+                      *(f"{k}: {json.dumps(v, sort_keys=True, default=str)}"
+                        for k, v in sorted(info.details.items()))])
     _print(data, args.json, text)
     return 0
-
-
-def _scripted_policy(kind: str, task_id: str, seed: int) -> Any:
-    from closedloop.envs.scripted import ExpertPolicy, NoisyExpertPolicy, RandomPolicy
-    from closedloop.envs.tasks.registry import get_bundle
-
-    if kind == "expert":
-        return ExpertPolicy(get_bundle(task_id))
-    if kind == "noisy":
-        return NoisyExpertPolicy(get_bundle(task_id), error_rate=0.3, seed=seed)
-    return RandomPolicy(seed=seed)
 
 
 def cmd_play(args: argparse.Namespace) -> int:
     """Play one episode with a scripted policy, print it turn by turn, write its trace."""
     from closedloop.contracts import SamplerConfig, TraceWriter, sha256_hex
-    from closedloop.policy import ChatRenderer, load_tokenizer
+    from closedloop.policy import load_tokenizer
     from closedloop.rollout.source import ScriptedSource
-    from closedloop.runtime import (
-        AGENT_TOOLS,
-        SYSTEM_PROMPT,
-        CollectorParts,
-        build_manifest,
-        make_collector,
-    )
-    from closedloop.verify.verifier import Verifier
+    from closedloop.runtime import CollectorParts, build_manifest, make_collector, make_renderer
 
-    tokenizer = load_tokenizer()
-    renderer = ChatRenderer(tokenizer, SYSTEM_PROMPT, list(AGENT_TOOLS))
+    package = _package(args)
+    renderer = make_renderer(load_tokenizer(), package)
     manifest = build_manifest(policy_version=f"scripted-{args.policy}",
                               weight_checksum=sha256_hex(f"scripted-{args.policy}"),
                               tokenizer_revision=sha256_hex("embedded-tokenizer"),
                               renderer=renderer, sampler=SamplerConfig(), step_budget=8,
                               max_action_tokens=0, model_id=f"scripted-{args.policy}")
-    source = ScriptedSource(lambda task, key: _scripted_policy(args.policy, task, args.seed),
-                            renderer.encode, build=f"scripted-{args.policy}")
+    source = ScriptedSource(lambda task, key: package.scripted_policy(
+        args.policy, task, args.seed, 0.3), renderer.encode, build=f"scripted-{args.policy}")
     trace = Path(args.trace or f"runs/play/{int(time.time())}-{args.policy}.jsonl")
     with TraceWriter(trace) as writer:
         collector = make_collector(source, manifest, CollectorParts(
-            renderer, Verifier(), "play", writer, max_turns=args.max_turns))
+            renderer, package.verifier(), "play", writer, args.max_turns, package))
         lease = collector.make_lease("play", args.task_id, args.seed, 1)
         (group,) = collector.collect([lease])
     (ep,) = group.episodes
     traj = ep.trajectory
-    data = {"task_id": traj.task_id, "policy": args.policy, "seed": traj.seed,
-            "termination": traj.termination.value, "reward": traj.reward,
+    data = {"task_id": traj.task_id, "env_id": package.env_id, "policy": args.policy,
+            "seed": traj.seed, "termination": traj.termination.value, "reward": traj.reward,
             "quarantine_reason": traj.quarantine_reason, "trace": str(trace),
             "turns": [{"turn": t.turn, "action": t.action_text, "kind": t.action_kind,
                        "error": t.observation_error, "observation": t.observation}
@@ -102,21 +103,39 @@ def cmd_play(args: argparse.Namespace) -> int:
     return 0
 
 
+def _replay_package(args: argparse.Namespace) -> Any:
+    """``--env``/``--env-factory``/``--config``; else the config of the run the trace is in;
+    else the registered package of the trace's env version; else the terminal tasks."""
+    from closedloop.contracts import read_trace
+    from closedloop.envs.plugin import package_for_version, resolve_section
+
+    if args.env or args.env_factory or args.config:
+        return _package(args)
+    config = Path(args.trace).resolve().parent.parent / "config.json"
+    if config.is_file():
+        section = json.loads(config.read_text("utf-8")).get("config", {}).get("environment")
+        return resolve_section(section)
+    version = next((getattr(r, "env_version", None) for r in read_trace(args.trace)
+                    if getattr(r, "env_version", None)), None)
+    found = package_for_version(version) if version else None
+    return found if found is not None else _package(args)
+
+
 def cmd_replay(args: argparse.Namespace) -> int:
     """Re-execute a trace's recorded actions; exit 1 unless everything reproduces."""
     from closedloop.rollout.replay import replay_trace
-    from closedloop.runtime import make_env
-    from closedloop.verify.verifier import Verifier
 
-    report = replay_trace(args.trace, make_env, Verifier())
-    data = {"trace": report.path, "ok": report.ok, **report.counts(),
+    package = _replay_package(args)
+    report = replay_trace(args.trace, package.make_env, package.verifier())
+    data = {"trace": report.path, "env_id": package.env_id, "ok": report.ok, **report.counts(),
             "episodes": [e.__dict__ for e in report.episodes]}
     lines = [f"{e.episode_id}: {'ok' if e.ok else 'MISMATCH'} "
              f"(observations {e.observations_match}, states {e.state_hashes_match}, "
              f"reward {e.reward_match}) {'; '.join(e.mismatches)}" for e in report.episodes]
     c = report.counts()
     lines.append(f"{c['reproduced']}/{c['episodes']} episodes reproduced "
-                 f"({c['turns']} turns): observations, state hashes and rewards")
+                 f"({c['turns']} turns): observations, state hashes and rewards "
+                 f"({package.env_id})")
     _print(data, args.json, "\n".join(lines))
     return 0 if report.ok else 1
 
@@ -126,22 +145,15 @@ def cmd_collect(args: argparse.Namespace) -> int:
     from collections import Counter
 
     from closedloop.contracts import SamplerConfig, TraceWriter
-    from closedloop.envs.tasks.registry import list_tasks
-    from closedloop.policy import ChatRenderer, HFGenerator, load_model
+    from closedloop.policy import HFGenerator, load_model
     from closedloop.progress import Progress, log
     from closedloop.rollout.source import GeneratorSource
-    from closedloop.runtime import (
-        AGENT_TOOLS,
-        SYSTEM_PROMPT,
-        CollectorParts,
-        build_manifest,
-        make_collector,
-    )
-    from closedloop.verify.verifier import Verifier
+    from closedloop.runtime import CollectorParts, build_manifest, make_collector, make_renderer
 
+    package = _package(args)
     loaded = load_model(None if args.model in (None, "embedded") else args.model)
     log(f"model {loaded.model_id} from {loaded.source} in {loaded.load_seconds:.1f}s")
-    renderer = ChatRenderer(loaded.tokenizer, SYSTEM_PROMPT, list(AGENT_TOOLS))
+    renderer = make_renderer(loaded.tokenizer, package)
     sampler = SamplerConfig(args.temperature, args.top_p, args.top_k)
     manifest = build_manifest(policy_version="v0000", weight_checksum=loaded.weight_checksum,
                               tokenizer_revision=loaded.tokenizer_revision, renderer=renderer,
@@ -152,19 +164,21 @@ def cmd_collect(args: argparse.Namespace) -> int:
                       seed=args.seed)
     source = GeneratorSource(gen, renderer.action_text, sampler, args.max_action_tokens,
                              manifest.generator_build)
-    tasks = list_tasks(split=None if args.tasks == "all" else args.tasks)[: args.limit]
+    tasks = _task_sets(package, None if args.tasks == "all" else args.tasks)[: args.limit]
     out = Path(args.out or f"runs/collect/{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
     with TraceWriter(out) as writer:
         collector = make_collector(source, manifest, CollectorParts(
-            renderer, Verifier(), f"collect-{out.stem}", writer, args.max_turns))
+            renderer, package.verifier(), f"collect-{out.stem}", writer, args.max_turns,
+            package))
         leases = [collector.make_lease(f"g{i:03d}", t, args.seed, args.group_size)
                   for i, t in enumerate(tasks)]
         with Progress(len(leases) * args.group_size, "collect") as bar:
             groups = collector.collect(leases, progress=bar.update)
     trajs = [ep.trajectory for g in groups for ep in g.episodes]
     scored = [t.task_success for t in trajs if t.task_success is not None]
-    data = {"trace": str(out), "groups": len(groups), "episodes": len(trajs),
-            "scored": len(scored), "success_rate": sum(scored) / len(scored) if scored else None,
+    data = {"trace": str(out), "env_id": package.env_id, "groups": len(groups),
+            "episodes": len(trajs), "scored": len(scored),
+            "success_rate": sum(scored) / len(scored) if scored else None,
             "termination": dict(Counter(t.termination.value for t in trajs)),
             "action_tokens": sum(t.num_action_tokens for t in trajs),
             "generator": gen.stats.__dict__}
@@ -199,6 +213,9 @@ def _run_experiment(cfg: Any, args: argparse.Namespace) -> int:
     if getattr(args, "model", None):
         cfg = cfg.with_overrides(model=args.model)
     exp_dir = Path(args.run_dir or Path(cfg.run_dir) / time.strftime("smoke-%Y%m%d-%H%M%S"))
+    if getattr(args, "seeds", None) is not None:
+        return _run_replicates(cfg, exp_dir, args)
+    t0 = time.perf_counter()
     result = run_experiment(cfg, exp_dir)
     lines = ["", "== held-out success by arm (paired difference from frozen, 95% CI) =="]
     for name, arm in result["arms"].items():
@@ -209,10 +226,49 @@ def _run_experiment(cfg: Any, args: argparse.Namespace) -> int:
                      + (f"  diff {_fmt(diff['estimate'])} [{_fmt(diff['lo'])}, "
                         f"{_fmt(diff['hi'])}]{' (CI excludes 0)' if diff['excludes_zero'] else ''}"
                         if diff else ""))
+    lines += _suite_lines(result)
     report = _write_report(exp_dir)
     if report:
         lines.append(f"report: {report}")
+    lines.append(f"wall time: {(time.perf_counter() - t0) / 60:.1f} min")
     _print({**result, "report": str(report) if report else None}, args.json, "\n".join(lines))
+    return 0
+
+
+def _suite_lines(result: dict[str, Any]) -> list[str]:
+    """The family-disjoint suite's arms, when it was evaluated."""
+    family = result.get("suites", {}).get("family")
+    if not family:
+        return []
+    lines = [f"== family-disjoint suite ({family['tasks']} tasks, families never trained on) =="]
+    for name, arm in family["arms"].items():
+        diff = arm.get("diff_vs_frozen")
+        lines.append(f"{name:9} success {_fmt(arm['success'])}"
+                     + (f"  diff {_fmt(diff['estimate'])} [{_fmt(diff['lo'])}, "
+                        f"{_fmt(diff['hi'])}]" if diff else ""))
+    return lines
+
+
+def _run_replicates(cfg: Any, exp_dir: Path, args: argparse.Namespace) -> int:
+    from closedloop.replicates import run_replicates
+
+    t0 = time.perf_counter()
+    data = run_replicates(cfg, exp_dir, args.seeds)
+    lines = ["", f"== {data['n']} replicates: RL arm minus frozen, per replicate and pooled =="]
+    for suite, arms in data["pooled"].items():
+        for arm, entry in arms.items():
+            per = ", ".join(
+                f"r{p['replicate']} {_fmt((p['diff_vs_frozen'] or {}).get('estimate'))}"
+                for p in entry["per_replicate"])
+            pooled = entry.get("pooled") or {}
+            lines.append(f"{suite:8} {arm:9} {per}; pooled {_fmt(pooled.get('estimate'))} "
+                         f"[{_fmt(pooled.get('lo'))}, {_fmt(pooled.get('hi'))}]")
+    for i in range(data["n"]):
+        report = _write_report(exp_dir / f"replicate-{i}")
+        if report:
+            lines.append(f"report: {report}")
+    lines.append(f"wall time: {(time.perf_counter() - t0) / 60:.1f} min")
+    _print(data, args.json, "\n".join(lines))
     return 0
 
 
@@ -302,6 +358,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex = sub.add_parser("experiment", help="the four controls of a config, then the report")
     ex.add_argument("config")
     ex.add_argument("--run-dir")
+    ex.add_argument("--seeds", type=int, metavar="N",
+                    help="run N independent replicates (training.seed + 0..N-1), pooled")
     ex.set_defaults(fn=cmd_experiment)
     sm = sub.add_parser("smoke", help="the smoke experiment on the embedded model")
     sm.add_argument("--run-dir")
@@ -315,6 +373,11 @@ def build_parser() -> argparse.ArgumentParser:
     rp.set_defaults(fn=cmd_report)
     for sp in (t, pl, r, co, tr, ex, sm, ga, rp):
         sp.add_argument("--json", action="store_true", help="machine-readable output")
+    for sp in (t, pl, r, co):
+        sp.add_argument("--env", help="registered environment id (default: the terminal tasks)")
+        sp.add_argument("--env-factory", metavar="PKG.MODULE:ATTR",
+                        help="load the environment package from a dotted path")
+        sp.add_argument("--config", help="take the environment from a run config")
     return p
 
 

@@ -17,6 +17,8 @@ import yaml
 
 from closedloop.contracts import ConfigError, SamplerConfig, canonical_json, content_hash
 from closedloop.contracts.schema import FieldError, decode_record, encode_record
+from closedloop.envs.tasks.base import HINT_LEVELS
+from closedloop.learn.objectives import OBJECTIVES
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,12 @@ class EnvironmentSection:
     """Task sets and episode budget."""
 
     domain: Literal["deterministic_terminal"] = "deterministic_terminal"
+    # The environment package (closedloop.envs.plugin): its registered id (overrides domain,
+    # the built-in terminal tasks' alias), or a dotted "pkg.module:attr" factory; options are
+    # passed to the package's task_sets, which rejects those it does not know.
+    id: str | None = None
+    factory: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)
     train_tasks: int = 48
     heldout_tasks: int = 16
     max_turns: int = 8
@@ -39,6 +47,14 @@ class EnvironmentSection:
     snapshot_backend: Literal["canonical_state"] = "canonical_state"
     base_snapshot_per_task: bool = True
     branching: bool = False
+    # Hint levels of the task objectives per split (closedloop.envs.tasks.base.HINT_LEVELS:
+    # exact > located > symptom, the difficulty bands), and the size of the family-disjoint suite
+    # (families never trained on; evaluated when evaluation.environment_family_disjoint).
+    train_levels: list[str] = field(default_factory=lambda: ["exact", "located", "symptom"])
+    heldout_levels: list[str] = field(default_factory=lambda: ["exact", "located", "symptom"])
+    family_disjoint_tasks: int = 8
+    # Seed of the task sets (not of learning: replicates vary training.seed on the same tasks).
+    task_seed: int = 0
 
 
 @dataclass(frozen=True)
@@ -72,6 +88,9 @@ class ConsistencySection:
     audit_frozen_checkpoint: bool = True
     tolerance_source: Literal["bf16_same_engine_baseline", "fixed"] = "bf16_same_engine_baseline"
     max_abs_tolerance: float = 1e-3
+    # max |log πθ/π_beh| a ratio-free objective may see on a fresh batch (gate ratio_on_policy);
+    # fp32: generator and trainer agree to ~1e-4, so 1e-3; declare more for bfloat16 matmuls.
+    max_abs_log_ratio: float = 1e-3
 
 
 @dataclass(frozen=True)
@@ -100,7 +119,10 @@ class CreditSection:
 class UpdateSection:
     """The objective and the three policies' roles."""
 
-    objective: Literal["reinforce_with_kl", "ppo_clip"] = "reinforce_with_kl"
+    # closedloop.learn.objectives.OBJECTIVES; the clipped ones (ratio against π_beh) may take
+    # optimizer_steps_per_fresh_batch > 1 optimizer steps on each fresh batch.
+    objective: Literal["reinforce_with_kl", "ppo_clip", "normalized_ratio_clip[sequence]",
+                       "normalized_ratio_clip[turn]"] = "reinforce_with_kl"
     behavior_policy: Literal["rollout_manifest"] = "rollout_manifest"
     proximal_policy: Literal["behavior_policy"] = "behavior_policy"
     reference_policy: Literal["initial_sft", "initial"] = "initial_sft"
@@ -123,6 +145,15 @@ class EvaluationSection:
     environment_family_disjoint: bool = True
     repository_overlap_audit: Literal["exact_and_semantic", "exact"] = "exact_and_semantic"
     dedup_rule_version: str = "v1"
+    # Preregistered learning-signal minimums (gate learning_signal): below either, the RL arm's
+    # capability comparison is not measured.
+    min_informative_group_fraction: float = 0.25
+    min_signal_step_fraction: float = 0.5
+    # Held-out evaluations of the RL arm from start to final, evenly spaced (the learning curve).
+    curve_points: int = 3
+    # One attempt per train task by the cold start: its per-level success table, and the
+    # difficulty-band sampler's prior counts.
+    cold_start_train_eval: bool = True
 
 
 @dataclass(frozen=True)
@@ -194,6 +225,7 @@ _POSITIVE = {
     "environment.train_tasks", "environment.heldout_tasks", "environment.max_turns",
     "rollout.group_size", "rollout.max_action_tokens", "evaluation.attempts_per_task",
     "update.optimizer_steps_per_fresh_batch", "training.groups_per_step", "training.lora_rank",
+    "evaluation.curve_points",
     "sft.epochs", "sft.batch_size",
 }
 
@@ -219,9 +251,40 @@ def _check_ranges(cfg: RunConfig) -> None:
     if cfg.rollout.max_version_lag != 0:
         raise ConfigError("rollout.max_version_lag", "only the synchronous baseline (0) is "
                           "implemented; asynchrony is a later ablation")
-    if cfg.update.optimizer_steps_per_fresh_batch != 1 and cfg.update.objective != "ppo_clip":
+    if cfg.update.optimizer_steps_per_fresh_batch != 1 and not OBJECTIVES[cfg.update.objective]:
         raise ConfigError("update.optimizer_steps_per_fresh_batch",
-                          "reusing a batch needs an objective with ratios (ppo_clip)")
+                          f"{cfg.update.objective} has no ratio against π_beh: reusing a batch "
+                          "needs a clipped-ratio objective (ppo_clip, normalized_ratio_clip)")
+    if cfg.update.objective == "reinforce_with_kl" and (
+            cfg.rollout.top_k is not None or cfg.rollout.top_p < 1.0):
+        raise ConfigError("rollout.top_p" if cfg.rollout.top_p < 1.0 else "rollout.top_k",
+                          "reinforce_with_kl has no ratio: it needs the trainer to score the "
+                          "distribution that sampled, and the trainer does not reproduce top-k/"
+                          "top-p masks; sample untruncated or use an objective with ratios")
+    for key in ("consistency.max_abs_log_ratio", "consistency.max_abs_tolerance"):
+        section, name = key.split(".")
+        if not getattr(getattr(cfg, section), name) > 0:
+            raise ConfigError(key, "must be > 0")
+    for key in ("evaluation.min_informative_group_fraction",
+                "evaluation.min_signal_step_fraction"):
+        if not 0 <= getattr(cfg.evaluation, key.split(".")[1]) <= 1:
+            raise ConfigError(key, "must be in [0, 1]")
+    for key in ("environment.train_levels", "environment.heldout_levels"):
+        levels = getattr(cfg.environment, key.split(".")[1])
+        bad = [lv for lv in levels if lv not in HINT_LEVELS]
+        if not levels or bad or len(set(levels)) != len(levels):
+            raise ConfigError(key, f"must be distinct hint levels from {list(HINT_LEVELS)}, "
+                              f"got {levels}")
+    _check_environment(cfg.environment)
+    if cfg.environment.family_disjoint_tasks < 0:
+        raise ConfigError("environment.family_disjoint_tasks", "must be >= 0")
+    if not cfg.evaluation.template_disjoint:
+        raise ConfigError("evaluation.template_disjoint", "the train/held-out split is always by "
+                          "template (held-out templates are never trained on); a split that "
+                          "shares templates is not implemented")
+    if cfg.evaluation.environment_family_disjoint and cfg.environment.family_disjoint_tasks < 1:
+        raise ConfigError("environment.family_disjoint_tasks", "environment_family_disjoint "
+                          "needs at least one task in the family-disjoint suite")
     if cfg.update.kl_beta < 0:
         raise ConfigError("update.kl_beta", "must be >= 0")
     if cfg.training.rl_steps < 0:
@@ -283,6 +346,17 @@ def _check_honoured(cfg: RunConfig) -> None:
         raise ConfigError("update.reference_policy", "'initial' (the pre-SFT weights) is not "
                           "kept as a reference when sft.enabled: π_ref is the warm-started base "
                           "('initial_sft'); without SFT the two are the same weights")
+
+
+def _check_environment(env: EnvironmentSection) -> None:
+    from closedloop.envs.plugin import ALIASES, DOTTED_RE, ENV_ID_RE
+
+    if env.id is not None and not (ENV_ID_RE.match(env.id) or env.id in ALIASES):
+        raise ConfigError("environment.id", f"{env.id!r} is not a versioned environment id "
+                          "like 'lockbox-v1'")
+    if env.factory is not None and not DOTTED_RE.match(env.factory):
+        raise ConfigError("environment.factory", f"{env.factory!r} is not a dotted path "
+                          "'pkg.module:attr'")
 
 
 def _check_model(model: str) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
@@ -23,14 +24,17 @@ from closedloop.config import RunConfig
 from closedloop.contracts import load_episodes
 from closedloop.evaluate.heldout import EvalSummary, summarize_eval
 from closedloop.evaluate.stats import paired_bootstrap_ci
-from closedloop.loop import train
+from closedloop.loop import evaluate_start, train
 from closedloop.policy.registry import version_name
 from closedloop.progress import log
 from closedloop.training import TrainingRun
 
 ARMS = ("frozen", "rloo", "shuffled", "sft_only")
 SHARED = ("sft/adapter.pt", "sft/result.json", "traces/sft-demos.jsonl",
-          "traces/eval-start.jsonl", "traces/eval-retain-start.jsonl", "audit.json")
+          "traces/eval-start.jsonl", "traces/eval-start-family.jsonl",
+          "traces/eval-start-train.jsonl", "traces/eval-retain-start.jsonl", "audit.json")
+SUITES = ("heldout", "family")
+"""``heldout``: the template-disjoint suite; ``family``: families absent from training."""
 
 
 def _copy_cold_start(cold: Path, arm: Path) -> None:
@@ -42,13 +46,18 @@ def _copy_cold_start(cold: Path, arm: Path) -> None:
             shutil.copy2(src, dst)
 
 
-def _eval_of(run_dir: Path, label: str, cfg: RunConfig) -> EvalSummary:
-    _, episodes = load_episodes(run_dir / "traces" / f"eval-{label}.jsonl")
+def _eval_of(run_dir: Path, label: str, cfg: RunConfig, suite: str = "heldout") -> EvalSummary:
+    name = label if suite == "heldout" else f"{label}-{suite}"
+    _, episodes = load_episodes(run_dir / "traces" / f"eval-{name}.jsonl")
     return summarize_eval(episodes, k=cfg.evaluation.attempts_per_task, seed=cfg.training.seed)
 
 
+def _suites(cfg: RunConfig) -> tuple[str, ...]:
+    return SUITES if cfg.evaluation.environment_family_disjoint else SUITES[:1]
+
+
 def _cold_start(cfg: RunConfig, frozen_dir: Path) -> None:
-    """Warm start, publish v0000, evaluate it and audit it: the frozen arm in full."""
+    """Warm start, publish v0000, evaluate it on every suite and audit it: the frozen arm."""
     run = TrainingRun(cfg, frozen_dir)
     try:
         if cfg.sft.enabled:
@@ -57,7 +66,7 @@ def _cold_start(cfg: RunConfig, frozen_dir: Path) -> None:
         if not run.resume():
             run.publish(version_name(0))
         manifest = run.registry.manifest(version_name(0))
-        run.evaluate("start", manifest)
+        evaluate_start(run)
         run.evaluate_retain("start", manifest)
         if not (frozen_dir / "audit.json").is_file():
             run.audit_frozen("start", manifest)
@@ -74,7 +83,9 @@ def _sft_only(cfg: RunConfig, arm_dir: Path, tokens: int) -> None:
         if not (arm_dir / "traces" / "eval-final.jsonl").is_file():
             run.publish(version_name(0))
             run.sft_only(tokens, "matched")
-        run.evaluate("final", run.registry.manifest(version_name(cfg.training.rl_steps)))
+        final = run.registry.manifest(version_name(cfg.training.rl_steps))
+        for suite in _suites(cfg):
+            run.evaluate("final", final, suite=suite)
     finally:
         run.close()
 
@@ -90,9 +101,14 @@ def _trained_tokens(run_dir: Path) -> int:
 
 
 def run_experiment(cfg: RunConfig, exp_dir: str | Path) -> dict[str, Any]:
-    """Run (or resume) the four arms and write experiment.json; return its content."""
+    """Run (or resume) the four arms and write experiment.json; return its content.
+
+    The shuffled arm runs the same loop and budgets as rloo; its held-out evaluations are the
+    start (shared) and the final one (``curve_points: 2``): the learning curve is the RL arm's.
+    """
     root = Path(exp_dir)
     arms = {name: root / "arms" / name for name in ARMS}
+    t0 = time.perf_counter()
     log("experiment: cold start (warm start, start evaluation, audit) = the frozen arm")
     _cold_start(cfg, arms["frozen"])
     controls: tuple[tuple[str, Literal["none", "shuffle_within_group"]], ...] = (
@@ -102,34 +118,52 @@ def run_experiment(cfg: RunConfig, exp_dir: str | Path) -> dict[str, Any]:
             _copy_cold_start(arms["frozen"], arms[name])
             log(f"experiment: arm {name}")
             arm_cfg = replace(cfg, credit=replace(cfg.credit, reward_control=control))
+            if control != "none":
+                arm_cfg = replace(arm_cfg, evaluation=replace(arm_cfg.evaluation,
+                                                              curve_points=2))
             train(arm_cfg, arms[name])
     tokens = _trained_tokens(arms["rloo"])
     _copy_cold_start(arms["frozen"], arms["sft_only"])
     log(f"experiment: arm sft_only, matched to {tokens} RL action tokens")
     _sft_only(cfg, arms["sft_only"], tokens)
     result = summarize_experiment(cfg, arms, tokens)
+    result["wall_s_this_launch"] = time.perf_counter() - t0
     (root / "experiment.json").write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
     return result
 
 
+def _arm_entry(summary: EvalSummary, base: dict[str, float], cfg: RunConfig,
+               path: Path) -> dict[str, Any]:
+    per_task = summary.per_task_success()
+    entry: dict[str, Any] = {"run_dir": str(path), "success": summary.pass_at_1,
+                             "success_ci": summary.pass_at_1_ci,
+                             "pass_hat_k": summary.pass_hat_k,
+                             "invalid_action_rate": summary.invalid_action_rate,
+                             "per_task": per_task}
+    common = sorted(set(per_task) & set(base))
+    if len(common) >= 2:
+        ci = paired_bootstrap_ci({t: per_task[t] for t in common},
+                                 {t: base[t] for t in common}, seed=cfg.training.seed)
+        entry["diff_vs_frozen"] = {"estimate": ci.estimate, "lo": ci.lo, "hi": ci.hi,
+                                   "n_tasks": ci.n, "excludes_zero": ci.lo > 0 or ci.hi < 0}
+    return entry
+
+
 def summarize_experiment(cfg: RunConfig, arms: dict[str, Path], tokens: int) -> dict[str, Any]:
-    """Each arm's held-out success and its paired difference from frozen, with CIs."""
-    frozen = _eval_of(arms["frozen"], "start", cfg)
-    base = frozen.per_task_success()
-    out: dict[str, Any] = {"arms": {}, "matched_action_tokens": tokens,
-                           "heldout_tasks": len(base), "seeds": list(cfg.evaluation.seeds)}
-    for name in ARMS:
-        summary = frozen if name == "frozen" else _eval_of(arms[name], "final", cfg)
-        per_task = summary.per_task_success()
-        entry: dict[str, Any] = {"run_dir": str(arms[name]), "success": summary.pass_at_1,
-                                 "success_ci": summary.pass_at_1_ci,
-                                 "pass_hat_k": summary.pass_hat_k,
-                                 "invalid_action_rate": summary.invalid_action_rate}
-        common = sorted(set(per_task) & set(base))
-        if name != "frozen" and len(common) >= 2:
-            ci = paired_bootstrap_ci({t: per_task[t] for t in common},
-                                     {t: base[t] for t in common}, seed=cfg.training.seed)
-            entry["diff_vs_frozen"] = {"estimate": ci.estimate, "lo": ci.lo, "hi": ci.hi,
-                                       "n_tasks": ci.n, "excludes_zero": ci.lo > 0 or ci.hi < 0}
-        out["arms"][name] = entry
+    """Each arm's success on each suite and its paired difference from frozen, with CIs.
+
+    ``arms`` (the template-disjoint held-out suite) keeps its historical place; the
+    family-disjoint suite, when evaluated, is under ``suites.family`` with the same fields.
+    """
+    out: dict[str, Any] = {"matched_action_tokens": tokens, "seeds": list(cfg.evaluation.seeds),
+                           "suites": {}}
+    for suite in _suites(cfg):
+        frozen = _eval_of(arms["frozen"], "start", cfg, suite)
+        base = frozen.per_task_success()
+        entries = {name: _arm_entry(frozen if name == "frozen"
+                                    else _eval_of(arms[name], "final", cfg, suite),
+                                    base, cfg, arms[name]) for name in ARMS}
+        out["suites"][suite] = {"tasks": len(base), "arms": entries}
+    out["arms"] = out["suites"]["heldout"]["arms"]
+    out["heldout_tasks"] = out["suites"]["heldout"]["tasks"]
     return out

@@ -26,6 +26,40 @@ from closedloop.progress import log
 from closedloop.training import StepReport, TrainingRun, write_summary
 
 
+def curve_steps(rl_steps: int, points: int) -> tuple[int, ...]:
+    """The policy versions (step counts) evaluated on the held-out suite during RL: ``points``
+    evenly spaced counts from 0 (the start) to ``rl_steps`` (the final), distinct.
+
+    ``curve_steps(8, 3) == (0, 4, 8)``; ``curve_steps(2, 5) == (0, 1, 2)``.
+    """
+    if rl_steps <= 0 or points <= 1:
+        return (0, rl_steps) if rl_steps > 0 else (0,)
+    return tuple(sorted({round(i * rl_steps / (points - 1)) for i in range(points)}))
+
+
+def evaluate_start(run: TrainingRun) -> EvalSummary:
+    """The start policy (v0000) on every suite the config asks for; seeds the task sampler
+    with the cold start's train outcomes (before the first RL step only)."""
+    cfg = run.cfg
+    manifest = run.registry.manifest(version_name(0))
+    start = run.evaluate("start", manifest)
+    if cfg.evaluation.environment_family_disjoint:
+        run.evaluate("start", manifest, suite="family")
+    if cfg.evaluation.cold_start_train_eval:
+        train_start = run.evaluate("start", manifest, suite="train")
+        if run.step == 0:
+            run.seed_sampler(train_start)
+    return start
+
+
+def evaluate_curve_point(run: TrainingRun, step: int) -> None:
+    """Held-out evaluation of v_step, when ``step`` is an intermediate curve point."""
+    cfg = run.cfg
+    if 0 < step < cfg.training.rl_steps and step in curve_steps(cfg.training.rl_steps,
+                                                                 cfg.evaluation.curve_points):
+        run.evaluate(f"step-{step:04d}", run.registry.manifest(version_name(step)))
+
+
 def train(cfg: RunConfig, run_dir: str | Path) -> dict[str, Any]:
     """Run (or resume) a whole experiment and return its summary."""
     run = TrainingRun(cfg, run_dir)
@@ -35,12 +69,13 @@ def train(cfg: RunConfig, run_dir: str | Path) -> dict[str, Any]:
         run.attach_rl_adapter()
         if not run.resume():
             run.publish(version_name(0))
-        start = run.evaluate("start", run.registry.manifest(version_name(0)))
+        start = evaluate_start(run)
         retain_start = run.evaluate_retain("start", run.registry.manifest(version_name(0)))
         if run.step == 0 and not (run.dir / "audit.json").is_file():
             run.audit_frozen("start", run.registry.manifest(version_name(0)))
         else:
             log("the start policy's evaluation was reused from its trace")
+        evaluate_curve_point(run, run.step)  # a crash between a step and its curve point
         steps: list[StepReport] = []
         for step in range(run.step, cfg.training.rl_steps):
             report = run.rl_step(step)  # behaviour = registry.manifest(v_step), frozen
@@ -48,8 +83,11 @@ def train(cfg: RunConfig, run_dir: str | Path) -> dict[str, Any]:
             log(f"step {step}: success {report.mean_success}, admitted {report.admitted}/"
                 f"{report.groups} groups, zero-variance {report.zero_variance}, "
                 f"kl {report.metrics.get('losses/kl')}")
+            evaluate_curve_point(run, step + 1)
         final_version = version_name(cfg.training.rl_steps)
         final = run.evaluate("final", run.registry.manifest(final_version))
+        if cfg.evaluation.environment_family_disjoint:
+            run.evaluate("final", run.registry.manifest(final_version), suite="family")
         retain_final = run.evaluate_retain("final", run.registry.manifest(final_version))
         retain = retain_delta(retain_start, retain_final, seed=cfg.training.seed).to_dict()
         run.log_metrics("retain", retain)

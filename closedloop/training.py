@@ -47,11 +47,7 @@ from closedloop.contracts import (
     load_episodes,
     sha256_hex,
 )
-from closedloop.envs.scripted import NoisyExpertPolicy
-from closedloop.envs.tasks.overlap import audit_overlap
-from closedloop.envs.tasks.registry import get_bundle, get_spec
-from closedloop.envs.tasks.retain import retain_task_ids
-from closedloop.envs.tasks.split import build_task_sets
+from closedloop.envs.plugin import EnvPackageError, ScriptedPolicyLike
 from closedloop.evaluate.heldout import EvalSummary, summarize_eval
 from closedloop.evaluate.retain import summarize_suites
 from closedloop.learn.audit import AuditResult, audit_logprobs, audit_tolerances
@@ -64,7 +60,7 @@ from closedloop.learn.checkpoint import (
 from closedloop.learn.credit import group_advantages, summarize_credit
 from closedloop.learn.sft import supervised_warm_start
 from closedloop.learn.trainer import Trainer, TrainerConfig
-from closedloop.policy import ChatRenderer, HFGenerator, attach_lora, check_append_only, load_model
+from closedloop.policy import HFGenerator, attach_lora, check_append_only, load_model
 from closedloop.policy.lora import policy_weight_checksum, split_state_dict
 from closedloop.policy.precision import precision_label
 from closedloop.policy.registry import PolicyRegistry, RegistryError, version_index, version_name
@@ -76,13 +72,13 @@ from closedloop.rollout.source import ActionSource, GeneratorSource, ScriptedSou
 from closedloop.rollout.task_sampler import DifficultyBandSampler
 from closedloop.rollout.tensors import build_training_batch
 from closedloop.runtime import (
-    AGENT_TOOLS,
-    SYSTEM_PROMPT,
     CollectorParts,
     build_manifest,
     make_collector,
+    make_renderer,
+    run_package,
+    task_set_request,
 )
-from closedloop.verify.verifier import Verifier
 
 GENERATOR_WORKER = "generator-0"
 
@@ -149,15 +145,16 @@ class TrainingRun:
         self.run_id = f"{self.dir.name}"
         self.metrics_path = self.dir / "metrics.jsonl"
         _seed_all(cfg.training.seed)
+        self.package = run_package(cfg.environment)  # tasks, env, verifier, scaffold
         self._build_tasks()
         self._load_policy()
-        self.verifier = Verifier()
+        self.verifier = self.package.verifier()
         self.ledger = Ledger(self.dir / "ledger.sqlite")
         self.registry = PolicyRegistry(self.dir / "registry")
         self.admission = AdmissionController(cfg.rollout.max_version_lag,
                                              censor_rule=cfg.credit.censor_rule)
         self.sampler = DifficultyBandSampler(
-            self.train_tasks, [get_spec(t).family for t in self.train_tasks],
+            self.train_tasks, [self.package.task_info(t).family for t in self.train_tasks],
             seed=cfg.training.seed)
         self.trainer: Trainer | None = None
         self.step = 0
@@ -178,16 +175,22 @@ class TrainingRun:
             fh.write(json.dumps(line, sort_keys=True, default=str) + "\n")
 
     def _build_tasks(self) -> None:
-        env = self.cfg.environment
-        sets = build_task_sets(env.train_tasks, env.heldout_tasks, seed=self.cfg.training.seed)
-        self.train_tasks = [b.spec.task_id for b in sets.train]
-        self.heldout_tasks = [b.spec.task_id for b in sets.heldout]
-        overlap = audit_overlap(sets.train, sets.heldout)
+        request = task_set_request(self.cfg, self.package)
+        sets = self.package.task_sets(request)
+        self.train_tasks, self.heldout_tasks = list(sets.train), list(sets.heldout)
+        if request.family_tasks and "family" not in sets.suites:
+            raise EnvPackageError(f"environment package {self.package.env_id!r} has no "
+                                  "family-disjoint suite; set evaluation."
+                                  "environment_family_disjoint: false")
+        self.family_tasks = list(sets.suites.get("family", ()))
         self._write_json("tasks.json", {
-            "train": self.train_tasks, "heldout": self.heldout_tasks,
-            "discarded": [str(d) for d in sets.discarded], "overlap": overlap.to_dict()})
-        log(f"tasks: {len(self.train_tasks)} train / {len(self.heldout_tasks)} held-out, "
-            f"{len(sets.discarded)} discarded by the solvability filter")
+            "env_id": self.package.env_id, "train": self.train_tasks,
+            "heldout": self.heldout_tasks, "family": self.family_tasks,
+            "discarded": list(sets.discarded), **sets.audit})
+        log(f"tasks: {len(self.train_tasks)} train / {len(self.heldout_tasks)} held-out "
+            f"(template-disjoint) / {len(self.family_tasks)} family-disjoint "
+            f"of {self.package.env_id}, {len(sets.discarded)} discarded by the solvability "
+            "filter")
 
     def _load_policy(self) -> None:
         cfg = self.cfg
@@ -199,7 +202,7 @@ class TrainingRun:
         self.model: Any = self.loaded.model
         if getattr(self.model, "hf_quantizer", None) is not None:
             self.model.hf_quantizer.remove_quantization_config(self.model)
-        self.renderer = ChatRenderer(self.tokenizer, SYSTEM_PROMPT, list(AGENT_TOOLS))
+        self.renderer = make_renderer(self.tokenizer, self.package)
         report = check_append_only(self.renderer)
         self._write_json("template.json", report._asdict() if hasattr(report, "_asdict")
                          else report.__dict__)
@@ -243,9 +246,9 @@ class TrainingRun:
         """Noisy-expert episodes on train tasks, through the same collector and renderer."""
         rate, seed = self.cfg.sft.noise_rate, self.cfg.training.seed
 
-        def make_policy(task_id: str, key: str) -> NoisyExpertPolicy:
-            return NoisyExpertPolicy(get_bundle(task_id), error_rate=rate,
-                                     seed=int(content_hash([seed, offset, key])[7:15], 16))
+        def make_policy(task_id: str, key: str) -> ScriptedPolicyLike:
+            return self.package.scripted_policy(
+                "noisy", task_id, int(content_hash([seed, offset, key])[7:15], 16), rate)
 
         source = ScriptedSource(make_policy, self.renderer.encode, build="scripted-noisy")
         manifest = self.manifest_for("scripted", demo=True)
@@ -271,7 +274,8 @@ class TrainingRun:
                                     learning_rate=t.learning_rate, kl_beta=u.kl_beta,
                                     kl_estimator=u.kl_estimator, clip_eps=u.clip_eps,
                                     precision=t.precision,
-                                    temperature=self.cfg.rollout.temperature)
+                                    temperature=self.cfg.rollout.temperature,
+                                    optimizer_steps_per_batch=u.optimizer_steps_per_fresh_batch)
         self.trainer = Trainer(self.model, trainer_cfg, reference=self.model.disable_adapter)
         self.generator = HFGenerator(self.model, self.tokenizer, seed=t.seed,
                                      precision=t.precision)
@@ -325,7 +329,7 @@ class TrainingRun:
         partial.unlink(missing_ok=True)
         with TraceWriter(partial) as writer:
             parts = CollectorParts(self.renderer, self.verifier, self.run_id, writer,
-                                   self.cfg.environment.max_turns)
+                                   self.cfg.environment.max_turns, self.package)
             collector = make_collector(source, manifest, parts)
             leases = [collector.make_lease(gid, task, seed, size)
                       for gid, task, seed, size in groups]
@@ -342,24 +346,48 @@ class TrainingRun:
                                manifest.max_action_tokens, manifest.generator_build)
 
     # ------------------------------------------------------------------ evaluation
-    def evaluate(self, label: str, manifest: PolicyManifest) -> EvalSummary:
-        """Held-out evaluation: ``attempts_per_task`` attempts per task over the seeds."""
+    def suite_tasks(self, suite: str) -> list[str]:
+        """The task ids of an evaluation suite: ``heldout`` (template-disjoint), ``family``
+        (families absent from training) or ``train`` (the cold start's training distribution)."""
+        tasks = {"heldout": self.heldout_tasks, "train": self.train_tasks,
+                 "family": getattr(self, "family_tasks", [])}
+        if suite not in tasks:
+            raise ValueError(f"unknown evaluation suite {suite!r}; known: {sorted(tasks)}")
+        return list(tasks[suite])
+
+    def evaluate(self, label: str, manifest: PolicyManifest,
+                 suite: str = "heldout") -> EvalSummary:
+        """Evaluate ``manifest`` on a suite (``suite_tasks``): on ``heldout`` and ``family``,
+        ``attempts_per_task`` attempts per task over the seeds; on ``train``, one attempt per task
+        with the first seed. The trace is ``eval-<label>`` for ``heldout`` and
+        ``eval-<label>-<suite>`` otherwise; an existing trace is reused (resume)."""
         ev = self.cfg.evaluation
-        seeds = list(ev.seeds)[: ev.attempts_per_task]
-        self.generator.rng.manual_seed(int(content_hash(["eval", label])[7:15], 16))
-        groups = [(f"eval-{label}-{i:03d}-s{seed}", task, seed, 1)
-                  for i, task in enumerate(self.heldout_tasks) for seed in seeds]
-        path = self.dir / "traces" / f"eval-{label}.jsonl"
+        attempts = 1 if suite == "train" else ev.attempts_per_task
+        seeds = list(ev.seeds)[:attempts]
+        name = label if suite == "heldout" else f"{label}-{suite}"
+        self.generator.rng.manual_seed(int(content_hash(["eval", name])[7:15], 16))
+        groups = [(f"eval-{name}-{i:03d}-s{seed}", task, seed, 1)
+                  for i, task in enumerate(self.suite_tasks(suite)) for seed in seeds]
+        path = self.dir / "traces" / f"eval-{name}.jsonl"
         if path.is_file():
             episodes = load_episodes(path)[1]
         else:
             collected = self._collect(self.model_source(manifest), manifest, path, groups,
-                                      f"eval {label}")
+                                      f"eval {name}")
             episodes = [ep for g in collected for ep in g.episodes]
-        summary = summarize_eval(episodes,
-                                 k=ev.attempts_per_task, seed=self.cfg.training.seed)
-        self.log_metrics("eval", {"label": label, **summary.to_dict()})
+        summary = summarize_eval(episodes, k=attempts, seed=self.cfg.training.seed)
+        self.log_metrics("eval", {"label": name, "suite": suite, **summary.to_dict()})
         return summary
+
+    def seed_sampler(self, summary: EvalSummary) -> None:
+        """Give the difficulty-band sampler the cold start's per-task outcomes on the train
+        tasks, so its learnable stream is known before the first RL draw."""
+        for t in summary.tasks:
+            if t.n > 0 and t.task_id in self.train_tasks:
+                self.sampler.record_prior(t.task_id, t.successes, t.n)
+        self.log_metrics("task_sampler", {"seeded_from": "eval-start-train",
+                                          **self.sampler.to_dict(
+                                              group_size=self.cfg.rollout.group_size)})
 
     def evaluate_retain(self, label: str, manifest: PolicyManifest) -> dict[str, EvalSummary]:
         """The retain suites (tool use, instruction following, safety), one attempt per task
@@ -369,7 +397,7 @@ class TrainingRun:
         if path.is_file():
             episodes = load_episodes(path)[1]
         else:
-            tasks = retain_task_ids(tuple(ev.retain_suites))
+            tasks = self._retain_tasks(tuple(ev.retain_suites))
             seed = ev.seeds[0]
             self.generator.rng.manual_seed(int(content_hash(["retain", label])[7:15], 16))
             groups = [(f"retain-{label}-{i:03d}", t, seed, 1) for i, t in enumerate(tasks)]
@@ -380,6 +408,15 @@ class TrainingRun:
         self.log_metrics("retain_eval", {"label": label, **{
             name: summary.to_dict() for name, summary in suites.items()}})
         return suites
+
+    def _retain_tasks(self, suites: tuple[str, ...]) -> tuple[str, ...]:
+        if not suites:
+            return ()
+        if self.package.retain_tasks is None:
+            raise EnvPackageError(f"environment package {self.package.env_id!r} has no retain "
+                                  f"suites (asked for {list(suites)}); set "
+                                  "evaluation.retain_suites: []")
+        return self.package.retain_tasks(suites)
 
     def audit_frozen(self, label: str, manifest: PolicyManifest) -> AuditResult:
         """Generator vs trainer log-probs at the frozen checkpoint that sampled eval ``label``.

@@ -25,6 +25,7 @@ from typing import Any
 
 from closedloop.evaluate.gates import GateOptions, GateReport, evaluate_gates, main_run_of
 from closedloop.evaluate.heldout import EvalSummary
+from closedloop.evaluate.learning import cold_start_table, heldout_curve, zero_variance_table
 from closedloop.evaluate.plots import (
     plot_grad_mass,
     plot_learning_curves,
@@ -140,6 +141,25 @@ def capability_claim(gates: GateReport, comparison: Mapping[str, Any]) -> dict[s
     verdict = "decreased" if hi < 0 else "shows no gain (the interval includes 0)"
     return {**base, "gain": False, "statement": f"Held-out success {verdict}: "
             f"{comparison['what']} = {span}. No gain is claimed."}
+
+
+def _family_disjoint(run: RunDir, seed: int) -> dict[str, Any]:
+    """The family-disjoint suite: the RL arm's final minus the frozen arm's start (in an
+    experiment), else the run's final minus its start; its own claim, never pooled with the
+    template-disjoint one."""
+    final = eval_summary(run, "final-family")
+    base = eval_summary(run, "start-family")
+    exp = experiment_of(run.path)
+    arms = find_arms(exp) if exp is not None else {}
+    frozen = next((p for n, p in sorted(arms.items()) if "frozen" in n.lower()), None)
+    what = "final - start (family-disjoint)"
+    if frozen is not None:
+        base = eval_summary(load_run(frozen), "start-family") or base
+        what = "RL final - frozen start (family-disjoint)"
+    if final is None and base is None:
+        return {"measured": False, "what": what, "detail": "no family-disjoint evaluation"}
+    return {"start": _heldout(base), "final": _heldout(final),
+            "comparison": _paired(final, base, seed, what)}
 
 
 def _steps(run: RunDir) -> list[dict[str, Any]]:
@@ -263,6 +283,10 @@ def build_report(run_dir: str | Path, gates: GateReport | None = None,
         "termination": _termination(run),
         "training": _training(run),
         "ledger": _ledger(run),
+        "cold_start": cold_start_table(run),
+        "heldout_curve": heldout_curve(run),
+        "zero_variance": zero_variance_table(run),
+        "family_disjoint": _family_disjoint(run, seed),
     }
     return _finite(report)
 
@@ -375,6 +399,48 @@ def _training_html(report: Mapping[str, Any]) -> str:
             + _img(plot_learning_curves(tr["learning_curves"]), "learning curves"))
 
 
+def _family_html(fam: Mapping[str, Any]) -> str:
+    if fam.get("measured") is False:
+        return f"<p>{_fmt(fam.get('detail'))}.</p>"
+    c = fam["comparison"]
+    return _table(["comparison", "start", "final", "estimate", "95% CI", "tasks", "note"],
+                  [[c["what"], (fam["start"] or {}).get("pass_at_1"),
+                    (fam["final"] or {}).get("pass_at_1"), c.get("estimate"), c.get("ci"),
+                    c.get("tasks"), c.get("detail", "")]], "family-table")
+
+
+def _curve_html(curve: list[Mapping[str, Any]]) -> str:
+    rows = [[p["label"], p["step"], p["success"], p["ci"], p["scored"], p["interactions"],
+             p["rl_wall_s"]] for p in curve]
+    return _table(["evaluation", "RL steps", "held-out success", "Wilson 95% CI", "attempts",
+                   "environment interactions", "RL wall s"], rows, "curve-table")
+
+
+def _cold_start_html(cold: Mapping[str, Any]) -> str:
+    if not cold.get("measured"):
+        return "<p>Cold-start table: not measured (no start evaluation).</p>"
+    level_rows = [[r["suite"], r["level"], r["tasks"], r["successes"], r["scored"], r["rate"],
+                   r["ci"]] for r in cold["by_level"]]
+    rows = [[r["suite"], r["family"], r["template"], r["level"], r["tasks"], r["successes"],
+             r["scored"], r["rate"], r["ci"]] for r in cold["rows"]]
+    return (_table(["suite", "level", "tasks", "successes", "attempts", "rate",
+                    "Wilson 95% CI"], level_rows, "level-table")
+            + _table(["suite", "family", "template", "level", "tasks", "successes", "attempts",
+                      "rate", "Wilson 95% CI"], rows, "cold-start-table"))
+
+
+def _zero_variance_html(zv: Mapping[str, Any]) -> str:
+    o = zv["overall"]
+    rows = [[r["step"], r["scored_groups"], r["zero_variance"], r["observed_rate"],
+             r["predicted_rate"]] for r in zv["steps"]]
+    return (f"<p>Overall: {o['zero_variance']} of {o['scored_groups']} scored groups "
+            f"zero-variance (observed {_fmt(o['observed_rate'])}, Wilson 95% CI "
+            f"{_fmt(o['observed_ci'])}); predicted {_fmt(o['predicted_rate'])} "
+            "(p^G + (1-p)^G under the sampler's estimates before each draw).</p>"
+            + _table(["step", "scored groups", "zero-variance", "observed rate",
+                      "predicted rate"], rows, "zero-variance-table"))
+
+
 def _verifier_html(v: Mapping[str, Any] | None) -> str:
     if v is None:
         return "<p>Verifier audit: not measured.</p>"
@@ -421,6 +487,11 @@ def render_html(report: Mapping[str, Any]) -> str:
         f"{html.escape(claim['statement'])}</p>",
         "<h2>Go/no-go gates</h2>", _gates_html(report["gates"]),
         "<h2>Held-out evaluation</h2>", _heldout_html(report),
+        "<h2>Family-disjoint suite</h2>", _family_html(report["family_disjoint"]),
+        "<h2>Held-out learning curve</h2>", _curve_html(report["heldout_curve"]),
+        "<h2>Cold start by hint level</h2>", _cold_start_html(report["cold_start"]),
+        "<h2>Zero-variance groups: observed vs predicted</h2>",
+        _zero_variance_html(report["zero_variance"]),
         "<h2>Retain suites</h2>", _retain_html(report["retain_suites"]),
         "<h2>Verifier audit</h2>", _verifier_html(report["verifier"]),
         "<h2>Termination distribution</h2>",

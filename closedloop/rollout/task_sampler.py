@@ -274,6 +274,18 @@ class DifficultyBandSampler:
             group_sizes=tuple(sorted(sizes.items())),
             zero_variance_groups=c.zero_variance_groups + degenerate)
 
+    def record_prior(self, task_id: str, successes: int, attempts: int) -> None:
+        """Add evidence from outside the RL groups (the cold start's evaluation on the train
+        tasks): successes and attempts only, no group, so the zero-variance statistics stay
+        those of the RL groups."""
+        c = self.counts(task_id)
+        if not (isinstance(attempts, int) and isinstance(successes, int)) or \
+                isinstance(attempts, bool) or attempts < 1 or not 0 <= successes <= attempts:
+            raise TaskSamplerError(f"record_prior({task_id!r}): need ints 0 <= successes <= "
+                                   f"attempts and attempts >= 1, got {successes}/{attempts}")
+        self._counts[task_id] = replace(c, successes=c.successes + successes,
+                                        attempts=c.attempts + attempts)
+
     def record_failure(self, task_id: str, reason: str) -> None:
         """Count an environment or verifier failure; ``max_failures`` of them quarantine it."""
         c = self.counts(task_id)

@@ -1,0 +1,131 @@
+"""The report's learning evidence: the per-level cold-start table, the held-out curve, observed
+vs predicted zero-variance rates, the learning-curve schedule and the pooled replicate effect."""
+
+from pathlib import Path
+
+import pytest
+
+from closedloop.config import smoke_config
+from closedloop.evaluate.learning import (
+    cold_start_table,
+    heldout_curve,
+    template_and_level,
+    zero_variance_table,
+)
+from closedloop.evaluate.rundir import RunDir, TraceFile
+from closedloop.loop import curve_steps
+from closedloop.replicates import pool_replicates, replicate_config
+from tests.factories import make_traj, make_turn
+
+
+def _trace(label: str, outcomes: list[tuple[str, float | None]], turns: int = 2) -> TraceFile:
+    from closedloop.contracts import Episode, Termination
+
+    eps = []
+    for i, (task, success) in enumerate(outcomes):
+        outcome = ({"termination": Termination.MAX_TOKEN_TRUNCATION} if success is None
+                   else {"reward": {"task_success": success}})
+        traj = make_traj(episode_id=f"{label}-{i}", task_id=task,
+                         task_family=task.split("/")[0], num_turns=turns, **outcome)
+        eps.append(Episode(traj, tuple(make_turn(k, episode_id=f"{label}-{i}")
+                                       for k in range(turns))))
+    return TraceFile(Path(f"eval-{label}.jsonl"), "eval", None, label, (), (), tuple(eps), ())
+
+
+def _run(traces: dict[str, TraceFile], metrics=(), rl_steps=4) -> RunDir:
+    return RunDir(path=Path("/nonexistent"), config={"training": {"rl_steps": rl_steps}},
+                  config_meta={}, trainer=None, tasks=None, summary=None, audit=None,
+                  metrics=tuple(metrics), traces=traces)
+
+
+A_EXACT = "json-repair-v1/wrong-type.exact/001-aaaaaaaa"
+A_SYMPTOM = "json-repair-v1/wrong-type.symptom/001-bbbbbbbb"
+B_EXACT = "cli-repair-v1/off-by-one.exact/002-cccccccc"
+
+
+def test_template_and_level_parse_leveled_and_plain_ids():
+    assert template_and_level(A_EXACT) == ("wrong-type", "exact")
+    assert template_and_level("json-repair-v1/missing-key/004-dddddddd") == ("missing-key",
+                                                                             "symptom")
+
+
+def test_cold_start_table_counts_per_cell_and_per_level_with_wilson_intervals():
+    train = _trace("start-train", [(A_EXACT, 1.0), (B_EXACT, 0.0), (A_SYMPTOM, 0.0)])
+    held = _trace("start", [(A_EXACT, 1.0), (A_EXACT, 0.0), (A_EXACT, None)])
+    table = cold_start_table(_run({"eval-start-train": train, "eval-start": held}))
+    by_level = {(r["suite"], r["level"]): r for r in table["by_level"]}
+    assert by_level[("train", "exact")]["successes"] == 1
+    assert by_level[("train", "exact")]["scored"] == 2 and by_level[("train", "exact")]["tasks"] == 2
+    assert by_level[("train", "symptom")]["rate"] == 0.0
+    # the unscored (censored) attempt is a task seen but not an attempt scored 0
+    assert by_level[("heldout", "exact")]["scored"] == 2
+    assert by_level[("heldout", "exact")]["rate"] == 0.5
+    lo, hi = by_level[("heldout", "exact")]["ci"]
+    assert 0 < lo < 0.5 < hi < 1
+
+
+def test_heldout_curve_orders_points_and_counts_interactions_before_each():
+    traces = {"eval-start": _trace("start", [(A_EXACT, 0.0), (A_EXACT, 0.0)]),
+              "eval-step-0002": _trace("step-0002", [(A_EXACT, 1.0), (A_EXACT, 0.0)]),
+              "eval-final": _trace("final", [(A_EXACT, 1.0), (A_EXACT, 1.0)])}
+    for s in range(4):
+        t = _trace(f"step-{s:04d}", [(A_EXACT, 1.0)], turns=3)
+        traces[f"step-{s:04d}"] = TraceFile(Path(f"step-{s:04d}.jsonl"), "step", s, None, (),
+                                            (), t.episodes, ())
+    metrics = [{"kind": "rl_step", "step": s, "seconds": {"collect_s": 10.0}} for s in range(4)]
+    curve = heldout_curve(_run(traces, metrics))
+    assert [p["step"] for p in curve] == [0, 2, 4]
+    assert [p["success"] for p in curve] == [0.0, 0.5, 1.0]
+    assert [p["interactions"] for p in curve] == [0, 6, 12]
+    assert [p["rl_wall_s"] for p in curve] == [0.0, 20.0, 40.0]
+
+
+def test_zero_variance_prediction_is_the_one_made_before_the_draws():
+    metrics = [
+        {"kind": "task_sampler", "informative": {"predicted_next_rate": 0.5}},
+        {"kind": "task_draws", "step": 0},
+        {"kind": "task_sampler", "informative": {"predicted_next_rate": 0.25}},
+        {"kind": "rl_step", "step": 0, "zero_variance": 1, "credit": {"n_scored_groups": 2}},
+        {"kind": "task_draws", "step": 1},
+        {"kind": "task_sampler", "informative": {"predicted_next_rate": 0.9}},
+        {"kind": "rl_step", "step": 1, "zero_variance": 0, "credit": {"n_scored_groups": 2}},
+    ]
+    zv = zero_variance_table(_run({}, metrics))
+    assert [r["predicted_rate"] for r in zv["steps"]] == [0.5, 0.25]
+    assert [r["observed_rate"] for r in zv["steps"]] == [0.5, 0.0]
+    assert zv["overall"]["observed_rate"] == 0.25
+    assert zv["overall"]["predicted_rate"] == pytest.approx(0.375)
+
+
+def test_curve_steps_spread_points_from_start_to_final():
+    assert curve_steps(8, 3) == (0, 4, 8)
+    assert curve_steps(2, 5) == (0, 1, 2)
+    assert curve_steps(6, 4) == (0, 2, 4, 6)
+    assert curve_steps(5, 2) == (0, 5)
+    assert curve_steps(0, 3) == (0,)
+
+
+def test_replicates_vary_learning_seeds_but_not_the_tasks():
+    cfg = smoke_config()
+    rep = replicate_config(cfg, 2)
+    assert rep.training.seed == cfg.training.seed + 2
+    assert rep.environment == cfg.environment  # task_seed, levels, sizes unchanged
+
+
+def _rep(i: int, frozen: dict[str, float], rloo: dict[str, float], lo: float) -> dict:
+    return {"replicate": i, "suites": {"heldout": {"arms": {
+        "frozen": {"success": sum(frozen.values()) / len(frozen), "per_task": frozen},
+        "rloo": {"success": sum(rloo.values()) / len(rloo), "per_task": rloo,
+                 "diff_vs_frozen": {"estimate": 0.1, "lo": lo, "hi": 0.3}}}}}}
+
+
+def test_pooled_effect_averages_replicates_per_task_and_counts_replicates_with_gain():
+    tasks = [f"t{i}" for i in range(6)]
+    r0 = _rep(0, dict.fromkeys(tasks, 0.0), dict.fromkeys(tasks, 1 / 3), lo=0.05)
+    r1 = _rep(1, dict.fromkeys(tasks, 1 / 3), dict.fromkeys(tasks, 1 / 3), lo=-0.1)
+    pooled = pool_replicates([r0, r1], seed=0)["heldout"]["rloo"]
+    assert pooled["replicates_with_gain"] == 1
+    # per task: mean rloo 1/3, mean frozen 1/6: pooled difference 1/6 on every task
+    assert pooled["pooled"]["estimate"] == pytest.approx(1 / 6)
+    assert pooled["pooled"]["tasks"] == 6 and pooled["pooled"]["replicates"] == 2
+    assert [p["replicate"] for p in pooled["per_replicate"]] == [0, 1]

@@ -36,8 +36,14 @@ from closedloop.learn.kl import (
     validate_kl_placement,
 )
 from closedloop.learn.objectives import (
+    OBJECTIVES,
+    ClipRange,
     NonFiniteLogprobError,
+    Objective,
+    ObjectiveInputs,
     ObjectiveOutput,
+    UnknownObjectiveError,
+    get_objective,
     normalized_ratio_clip,
     ppo_clip,
     reinforce_with_kl,
@@ -88,7 +94,12 @@ __all__ = [  # noqa: RUF022 -- grouped by module, sorted within each group
     "kl_reward_penalty",
     "validate_kl_placement",
     # objectives (closedloop.learn.objectives)
+    "OBJECTIVES",
+    "ClipRange",
+    "Objective",
+    "ObjectiveInputs",
     "ObjectiveOutput",
+    "get_objective",
     "normalized_ratio_clip",
     "ppo_clip",
     "reinforce_with_kl",
@@ -100,5 +111,6 @@ __all__ = [  # noqa: RUF022 -- grouped by module, sorted within each group
     "MaskError",
     "NonFiniteLogprobError",
     "NonFiniteRewardError",
+    "UnknownObjectiveError",
     "UnknownNameError",
 ]

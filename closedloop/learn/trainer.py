@@ -1,8 +1,11 @@
-"""The trainer: master weights (or LoRA adapters), optimizer state, one update per fresh batch.
+"""The trainer: master weights (or LoRA adapters), optimizer state, the update of a fresh batch.
 
 ``Trainer.step`` teacher-forces the recorded token ids (``closedloop.rollout.tensors``), scores
-them under πθ (with grad) and π_ref (no grad), and applies the configured objective with the
-configured reducer: never a framework default. Micro-batching is exact: the reducer's per-token
+them under πθ (with grad) and π_ref (no grad), and applies the objective registered under the
+configured name (``closedloop.learn.objectives.get_objective``) with the configured reducer:
+never a framework default. It takes one optimizer step per fresh batch, or
+``optimizer_steps_per_batch`` steps for an objective with ratios against π_beh (each step
+re-scores πθ on the same tokens). Micro-batching is exact: the reducer's per-token
 coefficients are computed once on the whole batch and each micro-batch is given its rows, so the
 summed gradient equals the whole-batch gradient.
 
@@ -22,8 +25,9 @@ from typing import Any
 
 import torch
 
+from closedloop.learn.credit import LearnError
 from closedloop.learn.kl import KLSpec
-from closedloop.learn.objectives import ObjectiveOutput, ppo_clip, reinforce_with_kl
+from closedloop.learn.objectives import ClipRange, ObjectiveInputs, ObjectiveOutput, get_objective
 from closedloop.learn.reducers import reducer_weights
 from closedloop.policy.precision import check_precision, matmul_precision
 from closedloop.policy.prefix_logprobs import trainer_path_logprobs
@@ -50,16 +54,29 @@ class TrainerConfig:
     # The sampler's temperature: πθ and π_ref are scored as softmax(logits / temperature), the
     # distribution that drew the tokens, so a fresh synchronous batch has ratio πθ/π_beh = 1.
     temperature: float = 1.0
+    # Optimizer steps on each fresh batch (update.optimizer_steps_per_fresh_batch). More than one
+    # needs an objective with ratios against π_beh (closedloop.learn.objectives.registry).
+    optimizer_steps_per_batch: int = 1
+
+
+class BatchReuseError(LearnError):
+    """Several optimizer steps on one batch asked of an objective without ratios."""
 
 
 @dataclass(frozen=True)
 class StepResult:
-    """Named outputs of one optimizer step."""
+    """Named outputs of the optimizer steps on one fresh batch.
+
+    ``metrics`` are those of the first pass (at the batch's behaviour policy, where the ratio
+    πθ/π_beh is ≈ 1), plus ``optim/*``; ``passes`` holds every pass's metrics in order (one per
+    optimizer step; after the first, the ratio has left 1). ``grad_norm`` is the first step's.
+    """
 
     metrics: Metrics
     grad_norm: float
     n_action_tokens: int
     n_tokens: int
+    passes: tuple[Metrics, ...] = ()
 
 
 def kl_spec_of(cfg: TrainerConfig) -> KLSpec | None:
@@ -83,6 +100,14 @@ class Trainer:
         self.model = model
         self.config = config
         check_precision(config.precision)
+        self.objective = get_objective(config.objective, ClipRange(config.clip_eps))
+        if config.optimizer_steps_per_batch < 1:
+            raise BatchReuseError("optimizer_steps_per_batch must be >= 1, got "
+                                  f"{config.optimizer_steps_per_batch}")
+        if config.optimizer_steps_per_batch > 1 and not self.objective.uses_ratio:
+            raise BatchReuseError(f"{config.objective} has no ratio against π_beh: after one "
+                                  "optimizer step its gradient is no longer the batch's; take "
+                                  "one step per fresh batch or use a clipped-ratio objective")
         if not config.temperature > 0:
             raise ValueError(f"temperature must be > 0, got {config.temperature}")
         self.reference = reference
@@ -95,26 +120,44 @@ class Trainer:
 
     def step(self, batch: TrainingBatch, advantages_B: torch.Tensor,
              success_B: torch.Tensor | None = None) -> StepResult:
-        """One optimizer step on one fresh batch; returns the objective's named outputs."""
-        metrics, n_act, n_tok = self.accumulate_gradients(batch, advantages_B, success_B)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm))
-        if not math.isfinite(grad_norm):
-            self.optimizer.zero_grad(set_to_none=True)
-            raise FloatingPointError("non-finite gradient norm: the step was not applied")
-        self.optimizer.step()
+        """``optimizer_steps_per_batch`` optimizer steps on one fresh batch.
+
+        Each pass re-scores πθ on the same tokens (so from the second pass on the ratio to the
+        recorded π_beh moves away from 1), backpropagates, clips the gradient norm and steps;
+        π_ref is scored once. A non-finite gradient norm zeroes the gradients and raises
+        ``FloatingPointError``; that pass is not applied (earlier passes of the batch are).
+        """
+        passes: list[Metrics] = []
+        norms: list[float] = []
+        refs: dict[int, torch.Tensor] = {}
+        n_act = n_tok = 0
+        for _ in range(self.config.optimizer_steps_per_batch):
+            metrics, n_act, n_tok = self.accumulate_gradients(batch, advantages_B, success_B,
+                                                              refs)
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm))
+            if not math.isfinite(grad_norm):
+                self.optimizer.zero_grad(set_to_none=True)
+                raise FloatingPointError("non-finite gradient norm: the step was not applied")
+            self.optimizer.step()
+            metrics["optim/grad_norm"] = grad_norm
+            passes.append(metrics)
+            norms.append(grad_norm)
         self.step_count += 1
-        metrics["optim/grad_norm"] = grad_norm
-        metrics["optim/lr"] = self.config.learning_rate
-        return StepResult(metrics, grad_norm, n_act, n_tok)
+        first = dict(passes[0])
+        first["optim/lr"] = self.config.learning_rate
+        first["optim/steps_on_batch"] = len(passes)
+        return StepResult(first, norms[0], n_act, n_tok, tuple(passes))
 
     def accumulate_gradients(self, batch: TrainingBatch, advantages_B: torch.Tensor,
-                             success_B: torch.Tensor | None = None
+                             success_B: torch.Tensor | None = None,
+                             ref_cache: dict[int, torch.Tensor] | None = None
                              ) -> tuple[Metrics, int, int]:
         """Zero the gradients, then backpropagate the whole batch in micro-batches.
 
         Returns (merged metrics, action tokens, tokens). The gradient equals the whole-batch
-        gradient whatever ``micro_batch_size`` is.
+        gradient whatever ``micro_batch_size`` is. ``ref_cache`` (keyed by a micro-batch's first
+        row) keeps π_ref's log-probs across passes over the same batch.
         """
         cfg = self.config
         shifted = shift_targets(batch)
@@ -124,14 +167,15 @@ class Trainer:
         outputs: list[tuple[ObjectiveOutput, int]] = []
         with matmul_precision(self.model, cfg.precision):
             for rows in _chunks(batch.token_ids_B_T.shape[0], cfg.micro_batch_size):
-                out = self._micro_step(batch, shifted, rows, advantages_B, success_B, full_w)
+                out = self._micro_step(batch, shifted, rows, advantages_B, success_B, full_w,
+                                       {} if ref_cache is None else ref_cache)
                 outputs.append((out, len(rows)))
         n_act = int(shifted.mask_B_T.sum())
         return _merge_metrics(outputs), n_act, int(batch.attention_mask_B_T.sum())
 
     def _micro_step(self, batch: TrainingBatch, shifted: ShiftedTargets, rows: list[int],
                     advantages_B: torch.Tensor, success_B: torch.Tensor | None,
-                    full_w: torch.Tensor) -> ObjectiveOutput:
+                    full_w: torch.Tensor, ref_cache: dict[int, torch.Tensor]) -> ObjectiveOutput:
         cfg = self.config
         idx = torch.tensor(rows)
         length = int(batch.attention_mask_B_T[idx].sum(dim=1).max())
@@ -139,24 +183,18 @@ class Trainer:
         attn = batch.attention_mask_B_T[idx, :length]
         mask = shifted.mask_B_T[idx, : length - 1]
         new = self._logprobs(ids, attn, mask)
-        ref = None
-        if self.reference is not None and cfg.kl_beta > 0:
+        ref = ref_cache.get(rows[0])
+        if ref is None and self.reference is not None and cfg.kl_beta > 0:
             with torch.no_grad(), self.reference():
-                ref = self._logprobs(ids, attn, mask)
-        kwargs: dict[str, Any] = dict(
+                ref = ref_cache[rows[0]] = self._logprobs(ids, attn, mask)
+        out = self.objective(ObjectiveInputs(
             new_logprobs_B_T=new,
             behavior_logprobs_B_T=shifted.behavior_logprobs_B_T[idx, : length - 1],
             advantages_B=advantages_B[idx], mask_B_T=mask,
             turn_ids_B_T=shifted.turn_ids_B_T[idx, : length - 1],
             success_B=None if success_B is None else success_B[idx],
             ref_logprobs_B_T=ref, reducer=cfg.reducer, kl_spec=kl_spec_of(cfg),
-            weights_B_T=full_w[idx, : length - 1])
-        if cfg.objective == "reinforce_with_kl":
-            out = reinforce_with_kl(**kwargs)
-        elif cfg.objective == "ppo_clip":
-            out = ppo_clip(**kwargs, clip_eps=cfg.clip_eps)
-        else:
-            raise ValueError(f"unknown objective {cfg.objective!r}")
+            weights_B_T=full_w[idx, : length - 1]))
         out.loss.backward()
         return out
 
@@ -190,7 +228,7 @@ def _merge_metrics(outputs: list[tuple[ObjectiveOutput, int]]) -> Metrics:
                                                                  "losses/pg_loss", "losses/kl"):
             merged[key] = sum(float(v) for v, _ in present)  # type: ignore[arg-type,misc]
         elif key.endswith("_max"):  # a tail bound must stay a bound across micro-batches
-            merged[key] = max(float(v) for v, _ in present)  # type: ignore[arg-type,misc]
+            merged[key] = max(float(v) for v, _ in present)  # type: ignore[arg-type]
         else:
             merged[key] = (sum(float(v) * n for v, n in present)  # type: ignore[arg-type,misc]
                            / sum(n for _, n in present))

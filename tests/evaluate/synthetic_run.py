@@ -36,7 +36,7 @@ from closedloop.evaluate.gates import GateReport, evaluate_gates
 from closedloop.evaluate.heldout import summarize_eval
 from closedloop.learn.checkpoint import save_checkpoint
 from closedloop.learn.credit import group_advantages
-from closedloop.learn.objectives import reinforce_with_kl
+from closedloop.learn.objectives import ObjectiveInputs, reinforce_with_kl
 from closedloop.learn.trainer import TrainerConfig
 from closedloop.policy.registry import PolicyRegistry, version_name
 from closedloop.rollout.admission import AdmissionController, apply_decision
@@ -170,10 +170,10 @@ def _step_metrics(groups: list[CollectedGroup]) -> tuple[dict[str, Any], int, in
         return {}, zero, len(groups)
     sh = shift_targets(build_training_batch(eps))
     new = (sh.behavior_logprobs_B_T.double() + 1e-5).requires_grad_(True)
-    out = reinforce_with_kl(new_logprobs_B_T=new, behavior_logprobs_B_T=sh.behavior_logprobs_B_T,
-                            advantages_B=torch.tensor(adv, dtype=torch.float64),
-                            mask_B_T=sh.mask_B_T, ref_logprobs_B_T=new.detach() - 0.01,
-                            success_B=torch.tensor([a > 0 for a in adv]))
+    out = reinforce_with_kl(ObjectiveInputs(
+        new_logprobs_B_T=new, behavior_logprobs_B_T=sh.behavior_logprobs_B_T,
+        advantages_B=torch.tensor(adv, dtype=torch.float64), mask_B_T=sh.mask_B_T,
+        ref_logprobs_B_T=new.detach() - 0.01, success_B=torch.tensor([a > 0 for a in adv])))
     out.loss.backward()
     assert new.grad is not None
     return {**out.metrics(), "optim/grad_norm": float(new.grad.norm())}, zero, len(groups)

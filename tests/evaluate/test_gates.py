@@ -8,6 +8,7 @@ one defect written into their files (raw JSON where the record classes would ref
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -20,16 +21,18 @@ from closedloop.cli import main
 from closedloop.envs.errors import SealedSnapshotError
 from closedloop.envs.tasks.registry import get_spec
 from closedloop.envs.terminal import TerminalRepairEnv
+from closedloop.envs.terminal_package import terminal_package
 from closedloop.evaluate import gates as gates_pkg
 from closedloop.evaluate.gates import (
     GATE_NAMES,
     GateOptions,
     GateReport,
+    environment,
     evaluate_gates,
     format_table,
     live,
 )
-from closedloop.learn import objectives
+from closedloop.learn.objectives import Objective
 from closedloop.policy.registry import PolicyRegistry
 from closedloop.rollout.ledger import DuplicateConsumptionError, Ledger
 from closedloop.verify import graders
@@ -66,7 +69,7 @@ def _write(path: Path, data: Any) -> None:
 # --------------------------------------------------------------------------- the clean run
 def test_clean_run_passes_every_measurable_gate() -> None:
     report = clean_gates()
-    assert [g.name for g in report.gates] == list(GATE_NAMES) and len(GATE_NAMES) == 20
+    assert [g.name for g in report.gates] == list(GATE_NAMES) and len(GATE_NAMES) == 21
     for g in report.gates:
         want = None if g.name in NOT_MEASURED_ON_A_PLAIN_RUN else True
         assert g.passed is want, (g.name, g.detail)
@@ -272,9 +275,15 @@ class OpenSealEnv(TerminalRepairEnv):
             super().restore(snapshot)
 
 
+def _use_env(monkeypatch: pytest.MonkeyPatch, make: Any) -> None:
+    """The gates rebuild the run's package: give it a broken env factory."""
+    package = dataclasses.replace(terminal_package(), make_env=make)
+    monkeypatch.setattr(environment, "package_of", lambda run: package)
+
+
 def test_replay_gate_fails_on_an_env_whose_restore_is_broken(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(live, "make_env", lambda: NoRestoreEnv(get_spec))
+    _use_env(monkeypatch, lambda: NoRestoreEnv(get_spec))
     g = gate(clean_run(), "restore_replay")
     assert g.passed is False and g.evidence["suffix_reproduced"] < g.evidence["suffix_replays"]
 
@@ -282,7 +291,7 @@ def test_replay_gate_fails_on_an_env_whose_restore_is_broken(
 @pytest.mark.parametrize("env_cls", [LeakyForkEnv, OpenSealEnv])
 def test_fork_isolation_and_seal_gate_fails_on_broken_envs(
         monkeypatch: pytest.MonkeyPatch, env_cls: type) -> None:
-    monkeypatch.setattr(live, "make_env", lambda: env_cls(get_spec))
+    _use_env(monkeypatch, lambda: env_cls(get_spec))
     g = gate(clean_run(), "fork_isolation_and_seal")
     assert g.passed is False
     assert ("ForkIsolationError" if env_cls is LeakyForkEnv else "sealed") in g.detail
@@ -436,27 +445,36 @@ def test_async_gate_is_not_applicable_to_a_sync_run_and_unmeasured_otherwise(
 # --------------------------------------------------------------------------- objective
 def test_episode_sum_gate_fails_when_the_objective_normalizes_by_length(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    real = objectives.reinforce_with_kl
-    monkeypatch.setattr(objectives, "reinforce_with_kl",
-                        lambda **kw: real(**{**kw, "reducer": "length_normalized"}))
     g = gate(clean_run(), "episode_sum_score_function")
-    assert g.passed is False and g.evidence["max_abs_grad_diff"] > 1e-3
+    assert g.passed is True and g.evidence["max_abs_weight_diff"] <= 1e-12
+    assert g.evidence["steps"] == 2 and g.evidence["episodes"] == 8  # the run's RL batches
+    real = live.get_objective
+
+    def length_normalizing(name: str, clip: Any = None) -> Objective:
+        inner = real(name, clip)
+        return Objective(name, inner.uses_ratio,
+                         lambda x: inner(dataclasses.replace(x, reducer="length_normalized")))
+
+    monkeypatch.setattr(live, "get_objective", length_normalizing)
+    g = gate(clean_run(), "episode_sum_score_function")
+    assert g.passed is False and g.evidence["max_abs_weight_diff"] > 1e-3
 
 
-def test_toy_logit_gate_fails_when_the_sign_is_flipped(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = objectives.reinforce_with_kl
-    monkeypatch.setattr(objectives, "reinforce_with_kl",
-                        lambda **kw: real(**{**kw, "advantages_B": -kw["advantages_B"]}))
-    g = gate(clean_run(), "toy_logit_sign")
-    assert g.passed is False
-    assert g.evidence["dlogp_positive_advantage"] < 0 < g.evidence["dlogp_negative_advantage"]
-
-
-def test_toy_logit_gate_uses_the_runs_objective(tmp_path: Path) -> None:
+def test_episode_sum_gate_reads_the_runs_objective_and_labels_other_reducers(
+        tmp_path: Path) -> None:
     run = copy_run(tmp_path / "run")
-    _write(run / "trainer.json", {**_json(run / "trainer.json"), "objective": "ppo_clip"})
-    g = gate(run, "toy_logit_sign")
+    trainer = _json(run / "trainer.json")
+    _write(run / "trainer.json", {**trainer, "objective": "ppo_clip"})
+    g = gate(run, "episode_sum_score_function")
     assert g.passed is True and g.evidence["objective"] == "ppo_clip"
+    assert g.evidence["run_uses_score_function"] is True
+    _write(run / "trainer.json", {**trainer, "reducer": "length_normalized"})
+    g = gate(run, "episode_sum_score_function")
+    assert g.passed is True and g.evidence["run_uses_score_function"] is False
+    assert "labelled surrogate" in g.detail and g.evidence["token_weight_spread"] > 1.5
+    for step in (run / "traces").glob("step-*.jsonl"):
+        step.unlink()
+    assert gate(run, "episode_sum_score_function").passed is None  # no recorded RL batch
 
 
 def test_verifier_gate_fails_with_a_lenient_grader(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -465,7 +483,7 @@ def test_verifier_gate_fails_with_a_lenient_grader(monkeypatch: pytest.MonkeyPat
     json_tasks = tuple(t for t in default_fixture_task_ids() if t.startswith("json-repair"))
     g = gate(clean_run(), "verifier_fp_fn", fixture_task_ids=json_tasks)  # fast: no programs
     assert g.passed is False and g.evidence["fp"] == 4 and g.evidence["n_negative"] == 16
-    assert g.evidence["fp_ci"][1] > live.FP_UPPER_BOUND
+    assert g.evidence["fp_ci"][1] > environment.FP_UPPER_BOUND
     assert "FP 4/16" in g.detail
 
 

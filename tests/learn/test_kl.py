@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from closedloop.learn import (
     KLPlacementError,
     KLSpec,
+    ObjectiveInputs,
     UnknownNameError,
     exact_kl,
     kl_k1,
@@ -127,7 +128,7 @@ def test_kl_in_both_loss_and_reward_raises() -> None:
         validate_kl_placement(reward_spec, None)  # a reward spec handed to the loss
     new = torch.zeros(1, 2, requires_grad=True)
     with pytest.raises(KLPlacementError, match="both"):
-        reinforce_with_kl(
+        reinforce_with_kl(ObjectiveInputs(
             new_logprobs_B_T=new,
             behavior_logprobs_B_T=new.detach(),
             ref_logprobs_B_T=new.detach(),
@@ -135,7 +136,7 @@ def test_kl_in_both_loss_and_reward_raises() -> None:
             mask_B_T=torch.ones(1, 2),
             kl_spec=loss_spec,
             reward_kl_spec=reward_spec,
-        )
+        ))
 
 
 def test_kl_reward_penalty() -> None:

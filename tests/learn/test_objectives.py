@@ -1,29 +1,32 @@
 """Objectives: score-function equivalence, reducer weights, toy-logit sign, clip fractions,
-analytic gradient coefficients vs autograd, and a mask-shift mutation check."""
+analytic gradient coefficients vs autograd, a mask-shift mutation check, and the registry."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import pytest
 import torch
 
 from closedloop.learn import (
     REDUCERS,
+    ClipRange,
     KLSpec,
     LearnError,
     MaskError,
     NonFiniteLogprobError,
+    ObjectiveInputs,
     ObjectiveOutput,
     UnknownNameError,
+    UnknownObjectiveError,
+    get_objective,
     normalized_ratio_clip,
     ppo_clip,
     reducer_weights,
     reinforce_with_kl,
     token_entropy,
 )
-from closedloop.learn.objectives import Granularity
 
 F64 = torch.float64
 
@@ -77,14 +80,14 @@ class TinyPolicy:
 
 def _objective_grad(policy: TinyPolicy, mask: torch.Tensor, reducer: str) -> torch.Tensor:
     new = policy.logprobs()
-    out = reinforce_with_kl(
+    out = reinforce_with_kl(ObjectiveInputs(
         new_logprobs_B_T=new,
         behavior_logprobs_B_T=new.detach(),
         advantages_B=policy.advantages,
         mask_B_T=mask,
         turn_ids_B_T=TURNS,
         reducer=reducer,
-    )
+    ))
     return policy.grad(out.loss)
 
 
@@ -135,14 +138,14 @@ def test_mask_shifted_by_one_breaks_the_score_function_check() -> None:
     shifted[:, 0] = 0
     shifted_turns = torch.where(shifted > 0, 0, -1)
     new = policy.logprobs()
-    out = reinforce_with_kl(
+    out = reinforce_with_kl(ObjectiveInputs(
         new_logprobs_B_T=new,
         behavior_logprobs_B_T=new.detach(),
         advantages_B=policy.advantages,
         mask_B_T=shifted,
         turn_ids_B_T=shifted_turns,
         reducer="episode_sum",
-    )
+    ))
     got = policy.grad(out.loss)
     want = _direct_grad(policy, torch.full((B,), 1.0 / B, dtype=F64))
     assert not torch.allclose(got, want, rtol=1e-6, atol=1e-9)
@@ -150,19 +153,17 @@ def test_mask_shifted_by_one_breaks_the_score_function_check() -> None:
 
 
 def _objective(name: str) -> Callable[..., ObjectiveOutput]:
-    if name == "reinforce_with_kl":
-        return reinforce_with_kl
-    if name == "ppo_clip":
-        return ppo_clip
-    granularity = cast(Granularity, name.split(":")[1])
+    """The registered objective ``name`` (ε = 0.2), called with the inputs' fields."""
+    objective = get_objective(name, ClipRange(0.2))
 
-    def fn(**kwargs: Any) -> ObjectiveOutput:
-        return normalized_ratio_clip(granularity=granularity, clip_eps=0.2, **kwargs)
+    def fn(**fields: Any) -> ObjectiveOutput:
+        return objective(ObjectiveInputs(**fields))
 
     return fn
 
 
-OBJECTIVES = ["reinforce_with_kl", "ppo_clip", "normalized:sequence", "normalized:turn"]
+OBJECTIVES = ["reinforce_with_kl", "ppo_clip", "normalized_ratio_clip[sequence]",
+              "normalized_ratio_clip[turn]"]
 
 
 @pytest.mark.parametrize("objective", OBJECTIVES)
@@ -194,9 +195,9 @@ def test_toy_logit_step_moves_sampled_logprob_with_advantage_sign(
     [
         ("ppo_clip", "episode_sum"),
         ("ppo_clip", "turn_mass_conserving"),
-        ("normalized:sequence", "episode_sum"),
-        ("normalized:sequence", "length_normalized"),
-        ("normalized:turn", "turn_mass_conserving"),
+        ("normalized_ratio_clip[sequence]", "episode_sum"),
+        ("normalized_ratio_clip[sequence]", "length_normalized"),
+        ("normalized_ratio_clip[turn]", "turn_mass_conserving"),
     ],
 )
 def test_ratio_objectives_reduce_to_reinforce_on_fresh_data(objective: str, reducer: str) -> None:
@@ -217,7 +218,7 @@ def test_ratio_objectives_reduce_to_reinforce_on_fresh_data(objective: str, redu
         return policy.grad(out.loss)
 
     got = run(_objective(objective))
-    want = run(reinforce_with_kl)
+    want = run(_objective("reinforce_with_kl"))
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9)
 
 
@@ -294,10 +295,9 @@ def test_micro_batches_with_full_batch_weights_sum_to_the_full_batch(
 
 def test_kl_in_loss_adds_beta_times_reduced_kl() -> None:
     inputs = _perturbed_inputs(seed=5)
-    plain = reinforce_with_kl(**inputs, reducer="token_mean")
-    with_kl = reinforce_with_kl(
-        **inputs, reducer="token_mean", kl_spec=KLSpec(estimator="k3", beta=0.02)
-    )
+    reinforce = _objective("reinforce_with_kl")
+    plain = reinforce(**inputs, reducer="token_mean")
+    with_kl = reinforce(**inputs, reducer="token_mean", kl_spec=KLSpec(estimator="k3", beta=0.02))
     assert plain.kl is not None and with_kl.kl is not None
     assert float(with_kl.loss.detach()) == pytest.approx(plain.pg_loss + 0.02 * with_kl.kl)
     # monitored but not in the loss when no spec is given (k3 by default)
@@ -305,7 +305,7 @@ def test_kl_in_loss_adds_beta_times_reduced_kl() -> None:
     assert plain.kl_token_mean == pytest.approx(with_kl.kl_token_mean)
     assert with_kl.kl_spec == KLSpec(estimator="k3", beta=0.02)
     with pytest.raises(LearnError, match="ref_logprobs"):
-        reinforce_with_kl(**{**inputs, "ref_logprobs_B_T": None}, kl_spec=KLSpec(beta=0.1))
+        reinforce(**{**inputs, "ref_logprobs_B_T": None}, kl_spec=KLSpec(beta=0.1))
 
 
 def _hand_ratio_batch(
@@ -335,15 +335,15 @@ def test_ppo_clip_fractions_on_hand_built_ratios() -> None:
         turns=[[0, 0, 1, 1], [0, 1, 1, -1], [0, 0, -1, -1], [-1] * 4],
         adv=[1.0, -1.0, 1.0, 0.5],
     )
-    out = ppo_clip(**batch, clip_eps=0.2)
+    out = ppo_clip(ObjectiveInputs(**batch), ClipRange(0.2))
     assert out.clip_frac_token == pytest.approx(2 / 9)  # 2 clipped of 9 action tokens
     assert out.clip_frac_turn == pytest.approx(2 / 5)  # (0,0) and (1,0) of 5 turns
     assert out.clip_frac_episode == pytest.approx(2 / 3)  # rows 0 and 1 of 3 non-empty rows
     assert out.n_empty_episodes == 1
     # a wider clip-high releases the A>0 token at 1.3 but keeps the A<0 token at 0.7
-    wide = ppo_clip(**batch, clip_eps=0.2, clip_eps_high=0.4)
+    wide = ppo_clip(ObjectiveInputs(**batch), ClipRange(0.2, eps_high=0.4))
     assert wide.clip_frac_token == pytest.approx(1 / 9)
-    no_turns = ppo_clip(**{**batch, "turn_ids_B_T": None}, clip_eps=0.2)
+    no_turns = ppo_clip(ObjectiveInputs(**{**batch, "turn_ids_B_T": None}), ClipRange(0.2))
     assert no_turns.clip_frac_turn is None
 
 
@@ -358,31 +358,31 @@ def test_normalized_ratio_clip_fractions_on_hand_built_ratios() -> None:
         turns=[[0, 0, 1, 1], [0, 0, -1, -1], [0, 1, -1, -1]],
         adv=[1.0, 1.0, -1.0],
     )
-    turn = normalized_ratio_clip(**batch, granularity="turn", clip_eps=0.2)
+    turn = normalized_ratio_clip(ObjectiveInputs(**batch), "turn", ClipRange(0.2))
     assert turn.clip_frac_token == pytest.approx(3 / 8)  # (0,0) has 2 tokens, (2,0) has 1
     assert turn.clip_frac_turn == pytest.approx(2 / 5)
     assert turn.clip_frac_episode == pytest.approx(2 / 3)
-    seq = normalized_ratio_clip(**batch, granularity="sequence", clip_eps=0.2)
+    seq = normalized_ratio_clip(ObjectiveInputs(**batch), "sequence", ClipRange(0.2))
     assert seq.clip_frac_token == pytest.approx(6 / 8)  # rows 0 and 2: 4 + 2 tokens
     assert seq.clip_frac_turn == pytest.approx(4 / 5)
     assert seq.clip_frac_episode == pytest.approx(2 / 3)
     assert seq.objective == "normalized_ratio_clip[sequence]"
     with pytest.raises(MaskError, match="turn_ids"):
-        normalized_ratio_clip(**{**batch, "turn_ids_B_T": None}, granularity="turn", clip_eps=0.2)
+        normalized_ratio_clip(ObjectiveInputs(**{**batch, "turn_ids_B_T": None}), "turn")
     with pytest.raises(LearnError, match="granularity"):
-        normalized_ratio_clip(**batch, granularity="token", clip_eps=0.2)  # type: ignore[arg-type]
+        normalized_ratio_clip(ObjectiveInputs(**batch), "token")  # type: ignore[arg-type]
 
 
 def test_reinforce_reports_unit_ratios_on_fresh_data_and_no_clipping() -> None:
     policy = TinyPolicy()
     new = policy.logprobs()
-    out = reinforce_with_kl(
+    out = reinforce_with_kl(ObjectiveInputs(
         new_logprobs_B_T=new,
         behavior_logprobs_B_T=new.detach(),
         advantages_B=policy.advantages,
         mask_B_T=MASK,
         entropy_B_T=token_entropy(policy.logits()),
-    )
+    ))
     assert out.ratio_p50 == out.ratio_p95 == out.ratio_p99 == out.ratio_max == 1.0
     assert out.abs_log_ratio_mean == 0.0
     assert out.clip_frac_token is None and out.clip_frac_episode is None
@@ -403,16 +403,17 @@ def test_gradient_mass_split_hand_worked() -> None:
         "success_B": torch.tensor([True, False]),
         "length_band_edges": (2, 3),  # short: T <= 2, medium: 2 < T <= 3, long: T > 3
     }
-    out = reinforce_with_kl(**kwargs, reducer="episode_sum")
+    reinforce = _objective("reinforce_with_kl")
+    out = reinforce(**kwargs, reducer="episode_sum")
     assert out.grad_mass_total == pytest.approx(3.0)
     assert (out.grad_mass_success, out.grad_mass_failure) == pytest.approx((1 / 3, 2 / 3))
     assert (out.grad_mass_short, out.grad_mass_medium, out.grad_mass_long) == pytest.approx(
         (1 / 3, 0.0, 2 / 3)
     )
     # length_normalized gives each episode equal mass: .5 and .5
-    norm = reinforce_with_kl(**kwargs, reducer="length_normalized")
+    norm = reinforce(**kwargs, reducer="length_normalized")
     assert (norm.grad_mass_success, norm.grad_mass_failure) == pytest.approx((0.5, 0.5))
-    no_labels = reinforce_with_kl(**{**kwargs, "success_B": None})
+    no_labels = reinforce(**{**kwargs, "success_B": None})
     assert no_labels.grad_mass_success is None
 
 
@@ -436,11 +437,59 @@ def test_input_validation() -> None:
     inputs = _perturbed_inputs(seed=2)
     bad_beh = inputs["behavior_logprobs_B_T"].clone()
     bad_beh[0, 1] = float("-inf")  # on the mask
+    clipped = _objective("ppo_clip")
     with pytest.raises(NonFiniteLogprobError):
-        ppo_clip(**{**inputs, "behavior_logprobs_B_T": bad_beh})
+        clipped(**{**inputs, "behavior_logprobs_B_T": bad_beh})
     with pytest.raises(MaskError):
-        ppo_clip(**{**inputs, "advantages_B": torch.ones(B + 1)})
+        clipped(**{**inputs, "advantages_B": torch.ones(B + 1)})
     with pytest.raises(UnknownNameError):
-        ppo_clip(**inputs, reducer="seq_mean_token_mean")
+        clipped(**inputs, reducer="seq_mean_token_mean")
     with pytest.raises(LearnError):
-        ppo_clip(**inputs, clip_eps=1.5)
+        ClipRange(1.5)
+
+
+def test_the_registry_names_each_objective_by_its_output_and_says_which_use_ratios() -> None:
+    policy = TinyPolicy(seed=6)
+    new = policy.logprobs()
+    uses_ratio = {}
+    for name in OBJECTIVES:
+        objective = get_objective(name)
+        out = objective(ObjectiveInputs(new_logprobs_B_T=new, behavior_logprobs_B_T=new.detach(),
+                                        advantages_B=policy.advantages, mask_B_T=MASK,
+                                        turn_ids_B_T=TURNS))
+        assert out.objective == objective.name == name
+        uses_ratio[name] = objective.uses_ratio
+    assert uses_ratio == {"reinforce_with_kl": False, "ppo_clip": True,
+                          "normalized_ratio_clip[sequence]": True,
+                          "normalized_ratio_clip[turn]": True}
+    with pytest.raises(UnknownObjectiveError, match="ppo_clip"):  # the known names are listed
+        get_objective("ppo")
+
+
+@pytest.mark.parametrize("objective", OBJECTIVES)
+def test_one_small_step_on_a_shared_parameter_batch_raises_the_surrogate_with_bounded_kl(
+    objective: str,
+) -> None:
+    # Seed 000 §7: a shared-parameter batch need only raise the aggregate objective
+    # Σ_i A_i Σ_t log π(a_it) with a bounded KL to the old policy (not every action's log-prob).
+    policy = TinyPolicy(seed=8)
+
+    def surrogate() -> tuple[float, torch.Tensor]:
+        with torch.no_grad():
+            value = float((policy.advantages * (policy.logprobs() * MASK).sum(1)).sum())
+            return value, torch.log_softmax(policy.logits(), -1)
+
+    before, old = surrogate()
+    new = policy.logprobs()
+    out = _objective(objective)(new_logprobs_B_T=new, behavior_logprobs_B_T=new.detach(),
+                                advantages_B=policy.advantages, mask_B_T=MASK,
+                                turn_ids_B_T=TURNS)
+    params = list(policy.layer.parameters())
+    grads = torch.autograd.grad(out.loss, params)
+    with torch.no_grad():
+        for p, g in zip(params, grads, strict=True):
+            p -= 0.05 * g
+    after, fresh = surrogate()
+    kl = float((old.exp() * (old - fresh)).sum(-1)[MASK > 0].mean())  # KL(old || new) per token
+    assert after > before
+    assert 0 <= kl < 0.05

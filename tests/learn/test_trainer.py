@@ -1,4 +1,5 @@
-"""The trainer on a tiny random Llama with LoRA: exact micro-batching, advantage sign, KL at 0."""
+"""The trainer on a tiny random Llama with LoRA: exact micro-batching, advantage sign, KL at 0,
+batch reuse by ratio objectives."""
 
 import copy
 
@@ -7,7 +8,7 @@ import torch
 
 from closedloop.contracts import Episode
 from closedloop.learn.sft import supervised_warm_start
-from closedloop.learn.trainer import Trainer, TrainerConfig
+from closedloop.learn.trainer import BatchReuseError, Trainer, TrainerConfig
 from closedloop.policy import build_tiny_model, load_embedded_tokenizer
 from closedloop.policy.logprobs import sequence_logprobs
 from closedloop.policy.lora import attach_lora
@@ -124,6 +125,47 @@ def test_shared_prompt_prefix_step_equals_the_unshared_step(policy, objective):
         # Adam moves each weight by about lr whatever the gradient's size, so a component whose
         # gradient is near Adam's eps can differ by more than its share of fp noise: 1e-3 lr.
         torch.testing.assert_close(w_on[name], w_off[name], rtol=0, atol=1e-6)
+
+
+def _trained(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("objective", ["ppo_clip", "normalized_ratio_clip[sequence]"])
+def test_a_ratio_objective_takes_several_optimizer_steps_on_one_batch(policy, objective):
+    """optimizer_steps_per_batch=3: three optimizer steps, each re-scoring πθ against the
+    recorded π_beh, so the ratio is 1 on the first pass only; the weights equal those of three
+    one-step calls on the same batch, and differ from one step's."""
+    eps = [episode(policy, s, n_turns=1 + s % 2, episode_id=f"r{s}") for s in range(3)]
+    batch = build_training_batch(eps)
+    adv = torch.tensor([1.0, -1.0, 0.5])
+    weights = []
+    for steps, calls in ((3, 1), (1, 3), (1, 1)):
+        model = copy.deepcopy(policy)
+        cfg = TrainerConfig(objective=objective, learning_rate=5e-3, kl_beta=0.05,
+                            optimizer_steps_per_batch=steps)
+        trainer = Trainer(model, cfg, reference=model.disable_adapter)
+        for _ in range(calls):
+            result = trainer.step(batch, adv)
+        assert len(result.passes) == steps == result.metrics["optim/steps_on_batch"]
+        assert trainer.step_count == calls  # fresh batches consumed, not optimizer steps
+        if steps == 3:
+            drift = [m["ratio/abs_log_ratio_max"] for m in result.passes]
+            assert drift[0] < 1e-4 < drift[1] and drift[2] > 1e-4, drift
+            assert result.metrics["ratio/abs_log_ratio_max"] == drift[0]
+        weights.append(_trained(model))
+    reused, repeated, once = weights
+    for name in reused:
+        torch.testing.assert_close(reused[name], repeated[name], rtol=0, atol=1e-6)
+    assert max(float((reused[n] - once[n]).abs().max()) for n in once) > 1e-3
+
+
+def test_a_ratio_free_objective_refuses_to_reuse_a_batch(policy):
+    with pytest.raises(BatchReuseError, match="reinforce_with_kl"):
+        Trainer(copy.deepcopy(policy), TrainerConfig(optimizer_steps_per_batch=2))
+    with pytest.raises(BatchReuseError):
+        Trainer(copy.deepcopy(policy), TrainerConfig(objective="ppo_clip",
+                                                     optimizer_steps_per_batch=0))
 
 
 @pytest.mark.parametrize("sign", [1.0, -1.0])

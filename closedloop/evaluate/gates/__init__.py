@@ -1,10 +1,12 @@
 """Go/no-go gates (seed 000 §7): named checks with a verdict and evidence, from a run directory.
 
 Every gate of seed 000's list is one function ``(RunDir, GateOptions) -> Gate``, in the seed's
-order (:data:`GATES`), plus ``trace_records_valid`` first. A gate reads the run's own files
+order (:data:`GATES`), plus ``trace_records_valid`` first. The seed's "independent toy-logit
+test" is not a gate: it decides nothing about a run, and is a unit test of the objectives
+(``tests/learn/test_objectives.py``). A gate reads the run's own files
 (traces, ledger, registry, checkpoints, metrics, config) or re-executes part of the run
-(environment resets and replays, the objective on toy batches, the verifier on adjudicated
-fixtures). Verdicts:
+(environment resets and replays, the run's objective on its recorded batches, the
+verifier on adjudicated fixtures). Verdicts:
 
 - ``passed=True``: checked and held; ``passed=False``: checked and violated, or the check
   itself raised (a gate fails closed, the error is its evidence);
@@ -57,7 +59,6 @@ GATES: tuple[tuple[str, GateFn], ...] = (
     ("termination_codes", _traces.gate_termination_codes),
     ("episode_sum_score_function", _live.gate_episode_sum),
     ("verifier_fp_fn", _live.gate_verifier_fp_fn),
-    ("toy_logit_sign", _live.gate_toy_logit_sign),
     ("learning_signal", _signal.gate_learning_signal),
     ("shuffled_reward_control", _live.gate_shuffled_control),
 )

@@ -1,5 +1,6 @@
 """Gates that re-execute: environment resets, restore+replay, fork isolation and sealing, the
-objective on toy batches, the verifier on adjudicated fixtures, and the shuffled-reward arm.
+run's objective on its recorded batches, the verifier on adjudicated fixtures, and the
+shuffled-reward arm.
 
 Preregistered verifier bounds (seed 000 §7, "the verifier passes preregistered FP/FN gates with
 denominators and confidence intervals"): the upper end of the Wilson 95% interval of the FP rate
@@ -11,8 +12,8 @@ default fixture set (56 negatives, 32 positives) zero errors give upper bounds 0
 
 from __future__ import annotations
 
+import math
 import random
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,8 +32,9 @@ from closedloop.evaluate.rundir import (
     load_run,
 )
 from closedloop.evaluate.stats import paired_bootstrap_ci
-from closedloop.learn import objectives
+from closedloop.learn.objectives import ObjectiveInputs, get_objective
 from closedloop.rollout.replay import replay_episode
+from closedloop.rollout.tensors import build_training_batch, shift_targets
 from closedloop.runtime import make_env
 from closedloop.verify.audit import audit_verifier
 from closedloop.verify.fixtures import build_fixtures
@@ -195,116 +197,79 @@ def gate_fork_isolation(run: RunDir, opts: GateOptions) -> Gate:
 
 
 # --------------------------------------------------------------------------- objective
-def _toy_batch(seed: int = 0) -> dict[str, torch.Tensor]:
-    """A fixed 4-episode batch: gaps in the mask, lengths 5, 7, 1 and 4 action tokens."""
-    mask = torch.tensor([[0, 1, 1, 0, 0, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 0],
-                         [0, 0, 0, 0, 1, 0, 0, 0], [1, 0, 1, 0, 1, 0, 1, 0]])
-    g = torch.Generator().manual_seed(seed)
-    b, t = mask.shape
-    return {"mask": mask, "features": torch.randn(b, t, 5, generator=g, dtype=F64),
-            "weight": torch.randn(7, 5, generator=g, dtype=F64),
-            "tokens": torch.randint(0, 7, (b, t), generator=g),
-            "adv": torch.randn(b, generator=g, dtype=F64)}
+def _recorded_batches(run: RunDir) -> list[tuple[str, list[Episode]]]:
+    """Each step trace's episodes whose every turn recorded behaviour log-probs."""
+    out = []
+    for t in run.traces_of("step"):
+        eps = [ep for ep in t.episodes if ep.turns
+               and all(turn.behavior_logprobs is not None for turn in ep.turns)]
+        if eps:
+            out.append((t.name, eps))
+    return out
 
 
-def _grad(batch: dict[str, torch.Tensor], loss_fn: Callable[[torch.Tensor], torch.Tensor]
-          ) -> torch.Tensor:
-    w = batch["weight"].clone().requires_grad_(True)
-    logp = torch.log_softmax(batch["features"] @ w.T, -1)
-    logp = logp.gather(-1, batch["tokens"][..., None]).squeeze(-1)
-    (grad,) = torch.autograd.grad(loss_fn(logp), [w])
-    return grad
+def _coefficients(objective: str, reducer: str, eps: list[Episode]
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """∂L/∂log πθ of the run's objective and reducer on one recorded batch, at πθ = π_beh
+    (float64), with advantages A_i = ±1 alternating; returns (coefficients, mask, A)."""
+    shifted = shift_targets(build_training_batch(eps))
+    mask = shifted.mask_B_T
+    adv = torch.tensor([1.0 if i % 2 == 0 else -1.0 for i in range(len(eps))], dtype=F64)
+    beh = torch.where(mask > 0, shifted.behavior_logprobs_B_T.double(), 0.0)
+    new = beh.clone().requires_grad_(True)
+    out = get_objective(objective)(ObjectiveInputs(
+        new_logprobs_B_T=new, behavior_logprobs_B_T=beh, advantages_B=adv, mask_B_T=mask,
+        turn_ids_B_T=shifted.turn_ids_B_T, reducer=reducer))
+    (grad,) = torch.autograd.grad(out.loss, [new])
+    return grad, mask, adv
 
 
 def gate_episode_sum(run: RunDir, opts: GateOptions) -> Gate:
-    """``reinforce_with_kl`` with ``episode_sum`` has the score-function gradient
-    -(1/B) Σ_i A_i Σ_{t∈M_i} ∇log π(a_it) on a toy batch (autograd, float64), and the check has
-    power: a mask shifted by one position changes the gradient."""
-    batch = _toy_batch(opts.seed)
-    mask, adv, b = batch["mask"], batch["adv"], batch["mask"].shape[0]
+    """On the run's own recorded RL batches, the run's objective and reducer (``trainer.json``)
+    weight the tokens as the score function does, or are labelled a different surrogate.
 
-    def objective(m: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-        def loss(logp: torch.Tensor) -> torch.Tensor:
-            out = objectives.reinforce_with_kl(
-                new_logprobs_B_T=logp, behavior_logprobs_B_T=logp.detach(), advantages_B=adv,
-                mask_B_T=m, reducer="episode_sum")
-            return out.loss
-        return loss
-
-    got = _grad(batch, objective(mask))
-    want = _grad(batch, lambda lp: -(adv * (lp * mask).sum(1)).sum() / b)
-    shifted = torch.roll(mask, 1, dims=1)
-    shifted[:, 0] = 0
-    power = float((_grad(batch, objective(shifted)) - want).abs().max())
-    err = float((got - want).abs().max())
-    reducer = (run.trainer or {}).get("reducer")
-    evidence = {"max_abs_grad_diff": err, "grad_scale": float(want.abs().max()),
-                "shifted_mask_diff": power, "run_reducer": reducer,
-                "run_uses_score_function": reducer == "episode_sum"}
-    problems = [f"episode_sum gradient differs from the score function by {err:.3g}"
-                ] if err > 1e-9 else []
-    if power < 1e-3:
-        problems.append("a shifted mask leaves the gradient unchanged: the check has no power")
-    label = ("the run trains on it" if reducer == "episode_sum"
-             else "the run's reducer is not recorded" if reducer is None
-             else f"the run's reducer {reducer!r} is a different, labeled surrogate")
+    For every step trace, the recorded episodes are built into the trainer's tensors (their
+    masks, turn ids and behaviour log-probs) and the run's objective is differentiated at
+    πθ = π_beh with A_i = ±1: with ``episode_sum`` every action token of episode i must get
+    ∂L/∂log πθ(a_it) = -A_i / B and every other position 0 (the score-function term
+    -(1/B) Σ_i A_i Σ_t ∇log π, independent of the episode's length), to 1e-12 in float64. Any
+    other reducer passes as a labelled surrogate, with the spread of its per-token weight over
+    the batch's episodes as evidence. Not measured without a step trace.
+    """
+    trainer = run.trainer or {}
+    objective = str(trainer.get("objective", "reinforce_with_kl"))
+    reducer = str(trainer.get("reducer", "episode_sum"))
+    batches = _recorded_batches(run)
+    if not batches:
+        return Gate("episode_sum_score_function", None, {"objective": objective,
+                                                         "reducer": reducer},
+                    "not measured: no recorded RL batch (step trace)")
+    err = 0.0
+    spread: list[float] = []
+    n_eps = n_tok = 0
+    for _, eps in batches:
+        grad, mask, adv = _coefficients(objective, reducer, eps)
+        weight = -grad / adv[:, None]  # the per-token weight w_it the reducer gave
+        want = mask.to(F64) / len(eps)
+        err = max(err, float((weight - want).abs().max()))
+        on = weight[mask > 0]
+        spread.append(float(on.max() / on.min()) if on.numel() and float(on.min()) > 0
+                      else math.inf)
+        n_eps, n_tok = n_eps + len(eps), n_tok + int(mask.sum())
+    score_function = reducer == "episode_sum"
+    evidence = {"objective": objective, "reducer": reducer, "steps": len(batches),
+                "episodes": n_eps, "action_tokens": n_tok, "max_abs_weight_diff": err,
+                "token_weight_spread": max(spread), "run_uses_score_function": score_function}
+    if not score_function:
+        return make_gate("episode_sum_score_function", [], evidence,
+                         f"the run's reducer {reducer!r} is a different, labelled surrogate "
+                         f"(per-token weights vary up to {max(spread):.3g}x over {n_eps} "
+                         "recorded episodes)")
+    problems = [f"episode_sum on the recorded batches differs from the score-function weight "
+                f"1/B by {err:.3g}"] if err > 1e-12 else []
     return make_gate("episode_sum_score_function", problems, evidence,
-                     f"episode_sum = score function (|Δ| {err:.1e}); {label}")
-
-
-def _toy_step(objective: str, advantage: float) -> float:
-    """Change of the sampled action's log-prob after one SGD step on one softmax."""
-    logits = torch.tensor([0.3, -0.2, 0.1, 0.5, -0.4], dtype=F64, requires_grad=True)
-    before = float(torch.log_softmax(logits.detach(), -1)[2])
-    logp = torch.log_softmax(logits, -1)[2].reshape(1, 1)
-    kwargs: dict[str, Any] = dict(new_logprobs_B_T=logp, behavior_logprobs_B_T=logp.detach(),
-                                  advantages_B=torch.tensor([advantage], dtype=F64),
-                                  mask_B_T=torch.ones(1, 1),
-                                  turn_ids_B_T=torch.zeros(1, 1, dtype=torch.long))
-    fn = getattr(objectives, objective)
-    fn(**kwargs).loss.backward()
-    if logits.grad is None:
-        raise RuntimeError(f"{objective}: the loss has no gradient with respect to the logits")
-    with torch.no_grad():
-        after = float(torch.log_softmax(logits - 0.5 * logits.grad, -1)[2])
-    return after - before
-
-
-def gate_toy_logit_sign(run: RunDir, opts: GateOptions) -> Gate:
-    """One SGD step of the run's objective moves a sampled action's log-prob with the sign of
-    its advantage (A = +1 and A = -1), and on a shared-parameter toy batch one small step
-    raises the aggregate surrogate Σ_i A_i Σ_t log π with a bounded KL to the old policy."""
-    objective = str((run.trainer or {}).get("objective", "reinforce_with_kl"))
-    if objective not in ("reinforce_with_kl", "ppo_clip"):
-        return Gate("toy_logit_sign", False, {"objective": objective},
-                    f"unknown objective {objective!r}")
-    moves = {a: _toy_step(objective, a) for a in (1.0, -1.0)}
-    batch = _toy_batch(opts.seed + 1)
-    mask, adv = batch["mask"], batch["adv"]
-
-    def surrogate(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logp_all = torch.log_softmax(batch["features"] @ w.T, -1)
-        lp = logp_all.gather(-1, batch["tokens"][..., None]).squeeze(-1)
-        return (adv * (lp * mask).sum(1)).sum(), logp_all
-
-    before, old = surrogate(batch["weight"])
-    grad = _grad(batch, lambda lp: getattr(objectives, objective)(
-        new_logprobs_B_T=lp, behavior_logprobs_B_T=lp.detach(), advantages_B=adv,
-        mask_B_T=mask).loss)
-    after, new = surrogate(batch["weight"] - 0.05 * grad)
-    kl = float((new.exp() * (new - old)).sum(-1)[mask > 0].mean())
-    evidence = {"objective": objective, "dlogp_positive_advantage": moves[1.0],
-                "dlogp_negative_advantage": moves[-1.0],
-                "batch_surrogate_gain": float(after - before), "batch_kl": kl}
-    problems = [f"A={a:+.0f}: the sampled log-prob moved by {d:+.3g}"
-                for a, d in moves.items() if d * a <= 0]
-    if not float(after - before) > 0:
-        problems.append("one small step did not raise the batch surrogate")
-    if not 0 <= kl < 0.05:
-        problems.append(f"KL after one small step {kl:.3g} not bounded by 0.05")
-    return make_gate("toy_logit_sign", problems, evidence,
-                     f"{objective}: sign correct for A=±1; batch surrogate +"
-                     f"{float(after - before):.3g}, KL {kl:.2g}")
+                     f"{objective} with episode_sum = score function on {n_eps} recorded "
+                     f"episodes of {len(batches)} steps (|Δw| {err:.1e})")
 
 
 # --------------------------------------------------------------------------- verifier

@@ -41,8 +41,11 @@ def test_audit_catches_injected_near_duplicate_and_exact_copy() -> None:
                                 template="copied", objective="  " + source.objective.upper())
     heldout = [*(b.spec for b in sets.heldout), near, exact]
     report = audit_overlap(sets.train, heldout)
-    assert [(p.train_id, p.heldout_id) for p in report.exact_pairs] == [
-        (source.task_id, exact.task_id)]
+    same_files = {b.spec.task_id for b in sets.train  # source and its paired levels
+                  if b.spec.initial_files == source.initial_files}
+    assert source.task_id in same_files
+    assert {(p.train_id, p.heldout_id) for p in report.exact_pairs} == {
+        (t, exact.task_id) for t in same_files}
     near_ids = {(p.train_id, p.heldout_id) for p in report.near_pairs}
     assert (source.task_id, near.task_id) in near_ids
     assert all(p.similarity >= 0.8 for p in report.near_pairs)
@@ -50,10 +53,12 @@ def test_audit_catches_injected_near_duplicate_and_exact_copy() -> None:
 
 
 def test_shared_template_is_reported() -> None:
-    sets = default_task_sets()
-    first = sets.train[3].spec  # the first 4 train tasks share one template
-    report = audit_overlap(sets.train[:3], [first])
-    assert report.shared_templates == (f"{first.family}/{base_template(first.template)}",)
+    source = default_task_sets().train[0].spec
+    family, template, index = parse_task_id(source.task_id)
+    base, _ = template_level(template)
+    other = generate_task(family, f"{base}.located", index + 1).spec  # same base, another task
+    report = audit_overlap([source], [other])
+    assert report.shared_templates == (f"{family}/{base}",)
     assert report.exact_pairs == ()
 
 

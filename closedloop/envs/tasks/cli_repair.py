@@ -11,6 +11,10 @@ Templates (the last one is held out):
 - ``wrong-separator``: CSV lines are split on ``;`` instead of ``,``.
 - ``sort-order``: words are sorted in the wrong direction.
 
+Every template is posed at the three hint levels of ``base``: ``exact`` quotes the one-line
+gold ``replace``, ``located`` names the function and what is wrong in it, ``symptom`` says what
+the program should print.
+
 Hidden grader (``kind="program_output"``): runs the final ``prog.py`` in a fresh directory on the
 visible input and on two hidden inputs and compares stdout with the reference outputs computed by
 the generator. A fix that special-cases the visible input passes ``check`` but fails the grader.
@@ -22,7 +26,7 @@ import random
 from collections.abc import Callable
 
 from closedloop.contracts import Action
-from closedloop.envs.tasks.base import TaskDraft, TaskGenerationError, TemplateFamily
+from closedloop.envs.tasks.base import TaskDraft, TaskGenerationError, TemplateFamily, shown
 
 FAMILY_ID = "cli-repair-v1"
 _VARS = ("xs", "values", "nums", "items", "data")
@@ -122,16 +126,22 @@ def _inputs(rng: random.Random, make: Callable[[random.Random], str],
 
 
 def _draft(purpose: str, source: str, fixed: str, edit: tuple[str, str],
-           inputs: list[str], reference: Callable[[str], str]) -> TaskDraft:
-    """Assemble a CLI draft; ``inputs[0]`` is visible, the rest are hidden grader inputs."""
+           inputs: list[str], reference: Callable[[str], str], located: str) -> TaskDraft:
+    """Assemble a CLI draft; ``inputs[0]`` is visible, the rest are hidden grader inputs.
+
+    located: what is wrong where in prog.py (one clause, e.g. "the loop in `f` stops early").
+    """
     fixed_source = source.replace(*edit)
     if fixed_source != fixed or source.count(edit[0]) != 1:
         raise TaskGenerationError("the gold edit does not turn the buggy source into the fixed one")
     cases = [{"input": text, "expected": reference(text)} for text in inputs]
-    objective = (f"prog.py should {purpose}, but its output is wrong. Fix the bug in prog.py "
-                 "with a small edit; run `prog` to see its output and `check` to test it.")
+    objective = (f"prog.py should {purpose}, but its output is wrong. Fix it with a small edit, "
+                 "run `prog` to see its output and `check` to test it, then finish.")
     return TaskDraft(
         objective=objective,
+        hints={"exact": (f"In prog.py replace `{shown(edit[0])}` with `{shown(edit[1])}`, run "
+                         "`check`, then finish."),
+               "located": f"In prog.py, {located}. Fix that line, run `check`, then finish."},
         initial_files={"prog.py": source, "input.txt": inputs[0],
                        "check.py": _CHECK.format(expected=cases[0]["expected"])},
         commands={"prog": ("python3", "prog.py", "input.txt"),
@@ -155,7 +165,8 @@ def off_by_one(rng: random.Random) -> TaskDraft:
 
     inputs = _inputs(rng, lambda r: "".join(f"{n}\n" for n in _ints(r)), ref)
     return _draft("print the sum of the integers in input.txt (one per line)", source, fixed,
-                  (f"range(len({v}) - 1)", f"range(len({v}))"), inputs, ref)
+                  (f"range(len({v}) - 1)", f"range(len({v}))"), inputs, ref,
+                  f"the loop in `{fn}` stops one element before the end of `{v}`")
 
 
 def wrong_builtin(rng: random.Random) -> TaskDraft:
@@ -171,8 +182,11 @@ def wrong_builtin(rng: random.Random) -> TaskDraft:
         return str(pick(int(x) for x in t.split()))
 
     inputs = _inputs(rng, lambda r: " ".join(str(n) for n in _ints(r)) + "\n", ref)
+    other = "smallest" if want == "max" else "largest"
     return _draft(f"print the {word} integer in input.txt", source, fixed,
-                  (f"{bug}({v})", f"{want}({v})"), inputs, ref)
+                  (f"{bug}({v})", f"{want}({v})"), inputs, ref,
+                  f"`{fn}` returns the {other} value instead of the {word}: it calls the wrong "
+                  "builtin")
 
 
 def wrong_separator(rng: random.Random) -> TaskDraft:
@@ -189,7 +203,9 @@ def wrong_separator(rng: random.Random) -> TaskDraft:
         return "name,qty\n" + "".join(rows)
 
     return _draft("print the total of the qty column of input.txt (a CSV file with a header)",
-                  source, fixed, ('split(";")', 'split(",")'), _inputs(rng, make, ref), ref)
+                  source, fixed, ('split(";")', 'split(",")'), _inputs(rng, make, ref), ref,
+                  f"`{fn}` splits each line on the wrong character (the fields are separated by "
+                  "commas)")
 
 
 def sort_order(rng: random.Random) -> TaskDraft:
@@ -207,7 +223,7 @@ def sort_order(rng: random.Random) -> TaskDraft:
 
     inputs = _inputs(rng, lambda r: " ".join(r.sample(_WORDS, r.randint(4, 6))) + "\n", ref)
     return _draft(f"print the words of input.txt in {order} order, one per line", source, fixed,
-                  edit, inputs, ref)
+                  edit, inputs, ref, f"`{fn}` sorts the words in the wrong direction")
 
 
 FAMILY = TemplateFamily(
@@ -215,6 +231,5 @@ FAMILY = TemplateFamily(
     builders={"off-by-one": off_by_one, "wrong-builtin": wrong_builtin,
               "wrong-separator": wrong_separator, "sort-order": sort_order},
     heldout_templates=("sort-order",),
-    levels=("symptom",),  # the exact and located objectives come next
     description="Fix a one-line bug in a tiny Python command-line program.",
 )

@@ -13,6 +13,9 @@ Templates (the last one is held out):
 - ``csv-bad-delimiter``: one row of ``data.csv`` uses ``;`` instead of ``,``; ``README.md``
   (protected) names the columns. Grader ``csv_equal``.
 
+Every template is posed at the three hint levels of ``base``; every gold edit is one
+``replace`` (``exact`` quotes it, newlines shown as ``\\n``).
+
 The visible ``check.py`` checks structure only (the INI parses and has every key; no line is
 repeated; every row has the header's number of fields), so a wrong value passes it.
 """
@@ -22,7 +25,7 @@ from __future__ import annotations
 import random
 
 from closedloop.contracts import Action
-from closedloop.envs.tasks.base import TaskDraft, TemplateFamily
+from closedloop.envs.tasks.base import TaskDraft, TemplateFamily, shown
 
 FAMILY_ID = "file-repair-v1"
 _SECTIONS: dict[str, dict[str, tuple[str, ...]]] = {
@@ -92,6 +95,11 @@ def _gold(path: str, edit: Action, first_read: str | None = None) -> tuple[Actio
             Action.tool("run", command="check"), Action.finish())
 
 
+def _exact(path: str, old: str, new: str, why: str) -> str:
+    return (f"In {path} replace `{shown(old)}` with `{shown(new)}` ({why}), run `check`, then "
+            "finish.")
+
+
 def _render_ini(conf: dict[str, dict[str, str]]) -> str:
     return "\n".join(f"[{s}]\n" + "".join(f"{k} = {v}\n" for k, v in kv.items())
                      for s, kv in conf.items())
@@ -109,11 +117,15 @@ def ini_wrong_value(rng: random.Random) -> TaskDraft:
     readme = "# Service settings\n\napp.ini must contain exactly these values:\n\n" + "".join(
         f"- {s}.{k} = {v}\n" for s, kv in conf.items() for k, v in kv.items())
     required = {s: sorted(kv) for s, kv in conf.items()}
-    edit = Action.tool("replace", path="app.ini", old=f"{key} = {wrong}\n",
-                       new=f"{key} = {conf[section][key]}\n")
+    old, new = f"{key} = {wrong}", f"{key} = {conf[section][key]}"
+    edit = Action.tool("replace", path="app.ini", old=old, new=new)
     return TaskDraft(
-        objective=("app.ini must match the settings listed in README.md, but one value is wrong. "
-                   "Fix that value in app.ini and change nothing else. Run `check` to test it."),
+        objective=("app.ini does not match the settings README.md lists. Make it match, changing "
+                   "nothing else, run `check`, then finish."),
+        hints={"exact": _exact("app.ini", old, new, "the value README.md lists"),
+               "located": (f"In app.ini, `{key}` in section `[{section}]` differs from the value "
+                           "README.md lists. Set it to the listed value and change nothing else, "
+                           "run `check`, then finish.")},
         initial_files={"app.ini": _render_ini(broken), "README.md": readme,
                        "check.py": _INI_CHECK.format(required=required)},
         commands={"check": ("python3", "check.py")},
@@ -139,11 +151,15 @@ def duplicate_line(rng: random.Random) -> TaskDraft:
         lines = [f"{h}-{rng.randint(10, 99)}" for h in rng.sample(_HOSTS, 5)]
     k = rng.randrange(len(lines))
     broken = lines[:k + 1] + lines[k:]
-    edit = Action.tool("replace", path=path, old=f"{lines[k]}\n{lines[k]}\n",
-                       new=f"{lines[k]}\n")
+    old, new = f"{lines[k]}\n{lines[k]}", lines[k]
+    edit = Action.tool("replace", path=path, old=old, new=new)
     return TaskDraft(
-        objective=(f"{path} contains one line twice. Remove the duplicate so each line appears "
-                   "once, keeping the order of the other lines. Run `check` to test it."),
+        objective=(f"`check` fails on {path}. Fix {path} so it passes without reordering the "
+                   "entries, then finish."),
+        hints={"exact": _exact(path, old, new, "drop the repeated copy"),
+               "located": (f"In {path}, line {k + 1} is repeated on line {k + 2}. Delete the "
+                           "extra copy, keep the order of the other lines, run `check`, then "
+                           "finish.")},
         initial_files={path: "\n".join(broken) + "\n",
                        "check.py": _LINES_CHECK.format(path=path),
                        "README.md": f"# {path}\n\nOne {kind} entry per line, each listed once.\n"},
@@ -176,11 +192,13 @@ def _csv_readme(header: list[str]) -> str:
     return f"# data.csv\n\nComma-separated. Columns, in order: {', '.join(header)}.\n"
 
 
-def _csv_draft(objective: str, broken: str, expected: list[list[str]], edit: Action,
-               readme: str) -> TaskDraft:
+def _csv_draft(objectives: tuple[str, str, str], broken: str, expected: list[list[str]],
+               edit: Action, readme: str) -> TaskDraft:
+    """objectives: (exact, located, symptom)."""
     files = {"data.csv": broken, "check.py": _CSV_CHECK.format(), "README.md": readme}
+    exact, located, symptom = objectives
     return TaskDraft(
-        objective=objective, initial_files=files,
+        objective=symptom, hints={"exact": exact, "located": located}, initial_files=files,
         commands={"check": ("python3", "check.py")},
         protected_paths=("README.md",),
         validator_paths=("check.py",),
@@ -192,10 +210,16 @@ def _csv_draft(objective: str, broken: str, expected: list[list[str]], edit: Act
 def csv_missing_header(rng: random.Random) -> TaskDraft:
     """The header row is missing; README.md names the columns."""
     header, rows = _table(rng)
-    objective = (f"data.csv is missing its header row. Add the header {','.join(header)} as the "
-                 "first line and keep the data rows unchanged. Run `check` to test it.")
-    edit = Action.tool("write_file", path="data.csv", content=_csv_text([header, *rows]))
-    return _csv_draft(objective, _csv_text(rows), [header, *rows], edit, _csv_readme(header))
+    old = ",".join(rows[0])
+    new = f"{','.join(header)}\n{old}"
+    objectives = (
+        _exact("data.csv", old, new, "insert the header row"),
+        "data.csv lacks its header row. Insert the column names README.md lists as the first "
+        "line, keep the data rows unchanged, run `check`, then finish.",
+        "data.csv does not follow the format README.md describes. Fix it without changing any "
+        "value, run `check`, then finish.")
+    edit = Action.tool("replace", path="data.csv", old=old, new=new)
+    return _csv_draft(objectives, _csv_text(rows), [header, *rows], edit, _csv_readme(header))
 
 
 def csv_bad_delimiter(rng: random.Random) -> TaskDraft:
@@ -205,10 +229,15 @@ def csv_bad_delimiter(rng: random.Random) -> TaskDraft:
     lines = [",".join(r) for r in (header, *rows)]
     bad = ";".join(rows[k])
     broken = "".join((bad if i == k + 1 else line) + "\n" for i, line in enumerate(lines))
-    objective = ("One row of data.csv uses `;` instead of `,` between fields. Fix that row so "
-                 "every row is comma-separated, changing no values. Run `check` to test it.")
-    edit = Action.tool("replace", path="data.csv", old=bad, new=",".join(rows[k]))
-    return _csv_draft(objective, broken, [header, *rows], edit, _csv_readme(header))
+    good = ",".join(rows[k])
+    objectives = (
+        _exact("data.csv", bad, good, "commas between the fields"),
+        f"In data.csv, line {k + 2} (the `{rows[k][0]}` row) separates its fields with `;` "
+        "instead of `,`. Fix that line without changing any value, run `check`, then finish.",
+        "`check` fails on data.csv. Fix data.csv so it passes without changing any value, then "
+        "finish.")
+    edit = Action.tool("replace", path="data.csv", old=bad, new=good)
+    return _csv_draft(objectives, broken, [header, *rows], edit, _csv_readme(header))
 
 
 FAMILY = TemplateFamily(
@@ -216,6 +245,5 @@ FAMILY = TemplateFamily(
     builders={"ini-wrong-value": ini_wrong_value, "duplicate-line": duplicate_line,
               "csv-missing-header": csv_missing_header, "csv-bad-delimiter": csv_bad_delimiter},
     heldout_templates=("csv-bad-delimiter",),
-    levels=("symptom",),  # the exact and located objectives come next
     description="Fix one defect in a plain config, list or CSV file.",
 )

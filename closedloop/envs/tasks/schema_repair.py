@@ -8,9 +8,12 @@ record breaks the schema.
 Templates (the last one is held out):
 
 - ``wrong-type``: an integer field is stored as a string.
-- ``missing-field``: a required field is absent; the objective gives its value.
+- ``missing-field``: a required field is absent; ``README.md`` (protected) gives its value.
 - ``extra-field``: a record carries a field the schema does not allow.
 - ``enum-value``: an enum field holds a misspelling of an allowed value.
+
+Every template is posed at the three hint levels of ``base``; every gold edit is one
+single-line ``replace`` (``exact`` quotes it).
 
 Hidden grader (``kind="schema_records"``): the final records validate against the schema (the
 grader's own validator) and equal the expected records with strict types. The visible
@@ -24,7 +27,7 @@ import random
 from typing import Any
 
 from closedloop.contracts import Action
-from closedloop.envs.tasks.base import TaskDraft, TemplateFamily
+from closedloop.envs.tasks.base import TaskDraft, TemplateFamily, shown
 
 FAMILY_ID = "schema-repair-v1"
 _NAMES = ("ada", "bo", "cyd", "dee", "eli", "fay", "gus", "hal", "ivy", "jo", "kai", "lu")
@@ -98,16 +101,27 @@ def _render_schema(schema: dict[str, Any]) -> str:
             '  "additionalProperties": false\n}\n')
 
 
-def _draft(schema: dict[str, Any], expected: list[dict[str, Any]], broken: str, problem: str,
-           edit: Action) -> TaskDraft:
-    objective = (f"records.json must match schema.json, but {problem}. Fix records.json without "
-                 "changing schema.json or any other value. Run `check` to test it.")
+_SYMPTOM = ("records.json does not validate against schema.json. Fix records.json without "
+            "changing schema.json or any value that should stay, run `check`, then finish.")
+
+
+def _draft(schema: dict[str, Any], expected: list[dict[str, Any]], broken: str, located: str,
+           edit: Action, why: str, readme: str | None = None,
+           symptom: str = _SYMPTOM) -> TaskDraft:
+    """``located``: what is wrong where (one clause); ``why``: the exact edit's purpose."""
+    old, new = str(edit.args["old"]), str(edit.args["new"])
+    files = {"records.json": broken, "schema.json": _render_schema(schema), "check.py": _CHECK}
+    if readme is not None:
+        files["README.md"] = readme
     return TaskDraft(
-        objective=objective,
-        initial_files={"records.json": broken, "schema.json": _render_schema(schema),
-                       "check.py": _CHECK},
+        objective=symptom,
+        hints={"exact": (f"In records.json replace `{shown(old)}` with `{shown(new)}` ({why}), "
+                         "run `check`, then finish."),
+               "located": (f"In records.json, {located}. Fix that record without changing "
+                           "schema.json or any other value, run `check`, then finish.")},
+        initial_files=files,
         commands={"check": ("python3", "check.py")},
-        protected_paths=("schema.json",),
+        protected_paths=("schema.json", *(("README.md",) if readme is not None else ())),
         validator_paths=("check.py",),
         checks={"kind": "schema_records", "path": "records.json", "schema": schema,
                 "expected": expected},
@@ -130,9 +144,9 @@ def wrong_type(rng: random.Random) -> TaskDraft:
     good, bad = f'"{int_key}": {rec[int_key]}', f'"{int_key}": "{rec[int_key]}"'
     line = json.dumps(rec)
     broken = _render(records).replace(line, line.replace(good, bad))
-    problem = f"the record with id {rec['id']} stores `{int_key}` as a string instead of an integer"
-    edit = Action.tool("replace", path="records.json", old=line.replace(good, bad), new=line)
-    return _draft(schema, records, broken, problem, edit)
+    located = f"the record with id {rec['id']} stores `{int_key}` as a string, not an integer"
+    edit = Action.tool("replace", path="records.json", old=bad, new=good)
+    return _draft(schema, records, broken, located, edit, "an integer, not a string")
 
 
 def missing_field(rng: random.Random) -> TaskDraft:
@@ -141,10 +155,17 @@ def missing_field(rng: random.Random) -> TaskDraft:
     rec = records[k]
     short = {key: v for key, v in rec.items() if key != enum_key}
     broken = _render([short if i == k else r for i, r in enumerate(records)])
-    problem = (f"the record with id {rec['id']} is missing the required field `{enum_key}`; "
-               f"its value is \"{rec[enum_key]}\"")
-    edit = Action.tool("replace", path="records.json", old=json.dumps(short), new=json.dumps(rec))
-    return _draft(schema, records, broken, problem, edit)
+    located = (f"the record with id {rec['id']} lacks the required field `{enum_key}` (README.md "
+               "gives its value)")
+    last = list(short)[-1]
+    tail = f'"{last}": {json.dumps(short[last])}}}'  # the record's last member: unique
+    edit = Action.tool("replace", path="records.json", old=tail,
+                       new=f"{tail[:-1]}, \"{enum_key}\": \"{rec[enum_key]}\"}}")
+    readme = (f"# records.json\n\nThe record with id {rec['id']} ({rec['name']}) has "
+              f"{enum_key} \"{rec[enum_key]}\".\n")
+    return _draft(schema, records, broken, located, edit, "add the missing field", readme,
+                  symptom=_SYMPTOM.replace("Fix records.json", "Fix records.json (README.md "
+                                           "documents its records)"))
 
 
 def extra_field(rng: random.Random) -> TaskDraft:
@@ -155,9 +176,12 @@ def extra_field(rng: random.Random) -> TaskDraft:
     line = json.dumps(rec)
     bad_line = line[:-1] + f', "{key}": {raw}}}'
     broken = _render(records).replace(line, bad_line)
-    problem = f"the record with id {rec['id']} has a field the schema does not allow"
-    edit = Action.tool("replace", path="records.json", old=f', "{key}": {raw}', new="")
-    return _draft(schema, records, broken, problem, edit)
+    located = (f"the record with id {rec['id']} has the field `{key}`, which schema.json does "
+               "not allow")
+    last = f'"{list(rec)[-1]}": {json.dumps(rec[list(rec)[-1]])}'
+    edit = Action.tool("replace", path="records.json", old=f'{last}, "{key}": {raw}}}',
+                       new=f"{last}}}")
+    return _draft(schema, records, broken, located, edit, "drop the field the schema forbids")
 
 
 def enum_value(rng: random.Random) -> TaskDraft:
@@ -170,10 +194,10 @@ def enum_value(rng: random.Random) -> TaskDraft:
     good, bad = f'"{enum_key}": "{value}"', f'"{enum_key}": "{typo}"'
     line = json.dumps(rec)
     broken = _render(records).replace(line, line.replace(good, bad))
-    problem = (f"one record's `{enum_key}` is not an allowed value; it is a misspelling of an "
-               "allowed value")
+    located = (f"the `{enum_key}` of the record with id {rec['id']} is a misspelling of one of "
+               "the values schema.json allows")
     edit = Action.tool("replace", path="records.json", old=bad, new=good)
-    return _draft(schema, records, broken, problem, edit)
+    return _draft(schema, records, broken, located, edit, "the allowed value it misspells")
 
 
 FAMILY = TemplateFamily(
@@ -181,6 +205,5 @@ FAMILY = TemplateFamily(
     builders={"wrong-type": wrong_type, "missing-field": missing_field,
               "extra-field": extra_field, "enum-value": enum_value},
     heldout_templates=("enum-value",),
-    levels=("symptom",),  # the exact and located objectives come next
     description="Make a JSON records file satisfy a JSON-schema-like spec.",
 )

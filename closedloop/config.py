@@ -367,11 +367,15 @@ def _check_model(model: str) -> None:
 
 
 def load_config(path: str | Path) -> RunConfig:
-    """Read a YAML config file and validate it."""
+    """Read a YAML config file and validate it (``ConfigError`` naming the file if it cannot be
+    read or is not YAML)."""
     try:
         data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
-        raise ConfigError("<file>", f"not valid YAML: {exc}") from None
+        raise ConfigError("<file>", f"{path}: not valid YAML: {exc}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigError("<file>", f"{path}: cannot read the config file ({reason})") from None
     if data is None:
         data = {}
     return parse_config(data)

@@ -74,3 +74,13 @@ def test_invalid_yaml_is_a_config_error(tmp_path: Path) -> None:
     bad.write_text("rollout: [unclosed\n", encoding="utf-8")
     with pytest.raises(ConfigError):
         load_config(bad)
+
+
+def test_missing_or_unreadable_config_file_is_a_config_error_naming_it(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError, match=r"nope\.yaml: cannot read the config file"):
+        load_config(missing)
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(ConfigError, match=r"binary\.yaml"):
+        load_config(binary)

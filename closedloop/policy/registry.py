@@ -22,8 +22,8 @@ returns an immutable :class:`PolicyLease` naming the version active *when the ep
 a later publication changes what new leases get, never what an open lease holds, and version
 folders are immutable, so the old weights stay loadable until the episode ends.
 
-The tensor checksum (:func:`state_dict_checksum`) must agree byte for byte with
-``closedloop.policy.weights.state_dict_checksum``; a test checks the two against each other.
+Checksums are those of ``closedloop.policy.weights`` (:func:`state_dict_checksum` over the stored
+tensors, :func:`combine_checksums` for base + adapter), the one recipe generators ack with.
 """
 
 from __future__ import annotations
@@ -225,9 +225,14 @@ class PolicyRegistry:
         return folder
 
     def manifest(self, version: str) -> PolicyManifest:
-        """Return the manifest of a staged version."""
-        data = json.loads((self.path(version) / "manifest.json").read_text("utf-8"))
-        return PolicyManifest.from_dict(data)
+        """Return the manifest of a staged version (``RegistryError`` naming the file if it
+        cannot be read or is not a manifest)."""
+        path = self.path(version) / "manifest.json"
+        data = _read_json(path)
+        try:
+            return PolicyManifest.from_dict(data)
+        except (ClosedloopError, KeyError, TypeError, ValueError) as exc:
+            raise RegistryError(f"{path}: not a policy manifest ({exc!r})") from None
 
     def stage(self, state_dict: Mapping[str, torch.Tensor], manifest_template: PolicyManifest,
               *, kind: WeightsKind = "full", version: str | None = None) -> StagedVersion:
@@ -314,23 +319,32 @@ class PolicyRegistry:
 
     def active(self) -> PublishedVersion | None:
         """Return the active version, or ``None`` before the first publication."""
-        try:
-            pointer = json.loads((self.root / "ACTIVE").read_text("utf-8"))
-        except FileNotFoundError:
+        path = self.root / "ACTIVE"
+        if not path.exists():
             return None
-        version = pointer["version"]
+        pointer = _read_json(path)
+        try:
+            version, checksum = str(pointer["version"]), str(pointer["checksum"])
+            published_at = float(pointer["published_at"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise RegistryError(f"{path}: not an ACTIVE pointer ({exc!r})") from None
         manifest = self.manifest(version)
-        if manifest.weight_checksum != pointer["checksum"]:
+        if manifest.weight_checksum != checksum:
             raise ChecksumMismatchError(f"ACTIVE names {version} with another checksum")
-        return PublishedVersion(version, manifest, pointer["checksum"], self.path(version),
-                                float(pointer["published_at"]))
+        return PublishedVersion(version, manifest, checksum, self.path(version), published_at)
 
     def history(self) -> list[dict[str, Any]]:
         """Return every publication in order (the publish log)."""
         log = self.root / "publish_log.jsonl"
         if not log.exists():
             return []
-        return [json.loads(line) for line in log.read_text("utf-8").splitlines() if line]
+        out = []
+        for lineno, line in enumerate(log.read_text("utf-8").splitlines(), start=1):
+            try:
+                out.append(json.loads(line))
+            except ValueError as exc:
+                raise RegistryError(f"{log}:{lineno}: not valid JSON ({exc})") from None
+        return out
 
     # ------------------------------------------------------------------ leases and ACKs
     def lease_for_episode(self) -> PolicyLease:
@@ -398,6 +412,14 @@ def _manifest_for(template: PolicyManifest, version: str, checksum: str,
         raise RegistryError("staging an adapter needs manifest_template.base_weight_checksum")
     return template.with_weights(version, combine_checksums(base, checksum),
                                  adapter_checksum=checksum)
+
+
+def _read_json(path: Path) -> Any:
+    """A registry file's JSON; ``RegistryError`` naming the file if unreadable or not JSON."""
+    try:
+        return json.loads(path.read_text("utf-8"))
+    except (OSError, ValueError) as exc:
+        raise RegistryError(f"{path}: cannot be read as JSON ({exc})") from None
 
 
 def _clear_staging(staging: Path) -> None:

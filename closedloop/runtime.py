@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import platform
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
+from closedloop.config import EnvironmentSection, RunConfig
 from closedloop.contracts import (
     PARSER_VERSION,
+    ConfigError,
     PolicyManifest,
     SamplerConfig,
     TraceWriter,
 )
-from closedloop.envs.plugin import EnvPackage
+from closedloop.envs.plugin import EnvPackage, TaskSetRequest, resolve_section
 from closedloop.envs.terminal_package import AGENT_TOOLS, SYSTEM_PROMPT, make_env, terminal_package
 from closedloop.rollout.collector import Collector, CollectorConfig
 from closedloop.rollout.source import ActionSource
@@ -26,7 +28,8 @@ from closedloop.verify.protocol import TaskVerifier
 
 MEMORY_POLICY = "exact-history-v1"
 __all__ = ["AGENT_TOOLS", "MEMORY_POLICY", "SYSTEM_PROMPT", "CollectorParts", "build_manifest",
-           "generator_build", "make_collector", "make_env", "make_renderer", "task_info"]
+           "generator_build", "make_collector", "make_env", "make_renderer", "run_package",
+           "task_info", "task_set_request"]
 
 
 def make_renderer(tokenizer: Any, package: EnvPackage | None = None) -> Any:
@@ -93,3 +96,45 @@ def make_collector(source: ActionSource, manifest: PolicyManifest, parts: Collec
     return Collector(source, parts.renderer, env_factory or package.make_env, parts.verifier,
                      package.family_split, manifest, parts.run_id, parts.writer,
                      CollectorConfig(max_turns=parts.max_turns))
+
+
+_GENERIC_ENV_KEYS = frozenset({
+    "domain", "id", "factory", "options", "train_tasks", "heldout_tasks", "max_turns",
+    "reset_each_episode", "snapshot_backend", "base_snapshot_per_task", "branching",
+    "family_disjoint_tasks", "task_seed"})
+"""Keys of the config's ``environment`` section every package shares; the others belong to a
+package (``EnvPackage.config_keys``)."""
+
+
+def run_package(env: EnvironmentSection) -> EnvPackage:
+    """The environment package a config's ``environment`` section names (``id`` or
+    ``factory``; else ``domain``, the built-in terminal tasks)."""
+    return resolve_section({"id": env.id, "factory": env.factory, "domain": env.domain})
+
+
+def task_set_request(cfg: RunConfig, package: EnvPackage) -> TaskSetRequest:
+    """The task-set request of a run: sizes, ``task_seed``, the family-disjoint suite's size
+    (0 unless ``evaluation.environment_family_disjoint``) and the options: the package's own
+    ``config_keys`` values plus ``environment.options``.
+
+    A package key the package does not declare must keep its default (``ConfigError``).
+    """
+    env = cfg.environment
+    default = EnvironmentSection()
+    options: dict[str, Any] = {}
+    for f in fields(env):
+        if f.name in _GENERIC_ENV_KEYS:
+            continue
+        value = getattr(env, f.name)
+        if f.name in package.config_keys:
+            options[f.name] = value
+        elif value != getattr(default, f.name):
+            raise ConfigError(f"environment.{f.name}", f"not an option of the environment "
+                              f"package {package.env_id!r} (it reads {list(package.config_keys)})")
+    clash = sorted(set(options) & set(env.options))
+    if clash:
+        raise ConfigError(f"environment.options.{clash[0]}", "also set as environment."
+                          f"{clash[0]}; give it once")
+    family = env.family_disjoint_tasks if cfg.evaluation.environment_family_disjoint else 0
+    return TaskSetRequest(env.train_tasks, env.heldout_tasks, seed=env.task_seed,
+                          family_tasks=family, options={**options, **env.options})

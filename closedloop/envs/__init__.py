@@ -5,9 +5,12 @@ Importing this package has no side effects (the sandbox probes ``unshare`` on fi
 """
 
 from closedloop.envs.check import (
+    CheckOptionError,
     EnvCheckReport,
     check_env,
     check_fork_isolation,
+    check_invalid_actions,
+    check_package,
     check_reset,
     check_steps,
     random_actions,
@@ -17,11 +20,16 @@ from closedloop.envs.errors import (
     EnvCheckError,
     EnvError,
     EnvNotResetError,
+    EnvRaisedError,
+    EnvVersionMismatchError,
     EpisodeDoneError,
     EpisodeNotDoneError,
     ForkIsolationError,
+    InvalidActionEffectError,
+    ProbeNoEffectError,
     ReplayMismatchError,
     ResetNondeterminismError,
+    RestoreMismatchError,
     SandboxCommandError,
     SandboxInfraError,
     SealedSnapshotError,
@@ -29,6 +37,7 @@ from closedloop.envs.errors import (
     StepNondeterminismError,
     TaskError,
     UnknownSnapshotError,
+    VerifierCheckError,
     WorkspaceLimitError,
     WorkspacePathError,
 )
@@ -41,7 +50,7 @@ from closedloop.envs.plugin import (
     UnknownEnvironmentError,
     resolve_package,
 )
-from closedloop.envs.protocol import AgentEnv
+from closedloop.envs.protocol import AgentEnv, SealingEnv
 from closedloop.envs.sandbox import (
     CommandResult,
     SandboxConfig,
@@ -67,7 +76,7 @@ from closedloop.envs.workspace import (
 )
 
 # contract and tasks
-__all__ = ["AgentEnv", "HiddenGrader", "TaskBundle", "TaskSpec"]
+__all__ = ["AgentEnv", "HiddenGrader", "SealingEnv", "TaskBundle", "TaskSpec"]
 # the plug-in contract
 __all__ += ["EnvPackage", "EnvPackageError", "EnvTaskSets", "TaskInfo", "TaskSetRequest",
             "UnknownEnvironmentError", "resolve_package"]
@@ -79,11 +88,14 @@ __all__ += ["ExportedState", "WorkspaceState", "decode_sealed", "decode_state"]
 __all__ += ["RESERVED_PREFIXES", "TOOLS", "CommandResult", "SandboxConfig", "WorkspaceLimits",
             "network_namespace_available", "normalize_path", "run_command", "tool_schemas"]
 # checker
-__all__ += ["EnvCheckReport", "check_env", "check_fork_isolation", "check_reset", "check_steps",
+__all__ += ["CheckOptionError", "EnvCheckReport", "check_env", "check_fork_isolation",
+            "check_invalid_actions", "check_package", "check_reset", "check_steps",
             "random_actions", "replay_property"]
 # errors
-__all__ += ["EnvCheckError", "EnvError", "EnvNotResetError", "EpisodeDoneError",
-            "EpisodeNotDoneError", "ForkIsolationError", "ReplayMismatchError",
-            "ResetNondeterminismError", "SandboxCommandError", "SandboxInfraError",
-            "SealedSnapshotError", "StateDecodeError", "StepNondeterminismError", "TaskError",
-            "UnknownSnapshotError", "WorkspaceLimitError", "WorkspacePathError"]
+__all__ += ["EnvCheckError", "EnvError", "EnvNotResetError", "EnvRaisedError",
+            "EnvVersionMismatchError", "EpisodeDoneError", "EpisodeNotDoneError",
+            "ForkIsolationError", "InvalidActionEffectError", "ProbeNoEffectError",
+            "ReplayMismatchError", "ResetNondeterminismError", "RestoreMismatchError",
+            "SandboxCommandError", "SandboxInfraError", "SealedSnapshotError", "StateDecodeError",
+            "StepNondeterminismError", "TaskError", "UnknownSnapshotError", "VerifierCheckError",
+            "WorkspaceLimitError", "WorkspacePathError"]

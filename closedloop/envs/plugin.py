@@ -21,7 +21,9 @@ from an environment; nothing outside the package knows its tasks, tools or verif
   ``(task_id, seed, noise_rate) -> policy`` with ``act(observation) -> Action | str``, used for
   warm starts and ``closedloop play``; ``fixtures(task_ids | None)``: adjudicated exported
   states (``closedloop.verify.fixtures.AdjudicatedFixture``) for the verifier FP/FN gate;
-  ``retain_tasks(suites)``: retain-suite task ids.
+  ``retain_tasks(suites)``: retain-suite task ids; ``config_keys``: the package's own keys of
+  the config's ``environment`` section (the terminal tasks' hint levels), passed to
+  ``task_sets`` in ``TaskSetRequest.options``.
 
 Registration, looked up in this order by ``resolve_package(env_id, factory)``:
 
@@ -64,7 +66,7 @@ BUILTIN: Mapping[str, str] = {
 ALIASES: Mapping[str, str] = {"deterministic_terminal": "terminal-repair-v1"}
 """Other names of built-in ids (``environment.domain: deterministic_terminal``)."""
 ENV_ID_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]*-v[0-9]+$")
-_DOTTED_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+DOTTED_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 SCRIPTED_KINDS = ("expert", "noisy", "random")
 
 
@@ -94,15 +96,19 @@ ScriptedFactory = Callable[[str, int, float], ScriptedPolicyLike]
 
 @dataclass(frozen=True)
 class TaskSetRequest:
-    """What a run asks of ``task_sets``: sizes, the run's seed and package-specific options.
+    """What a run asks of ``task_sets``: sizes, the task seed and package-specific options.
 
-    options: the config's ``environment.options``, passed through; a package rejects an option
-    it does not know (``EnvPackageError`` naming it).
+    family_tasks: the size of the family-disjoint suite (families never trained on) the run
+    evaluates, 0 for none; a package without such families raises ``EnvPackageError`` when
+    asked for one. options: the config's ``environment.options`` plus the environment keys the
+    package declares in ``EnvPackage.config_keys``; a package rejects an option it does not
+    know (``EnvPackageError`` naming it).
     """
 
     train_tasks: int
     heldout_tasks: int
     seed: int = 0
+    family_tasks: int = 0
     options: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -110,7 +116,8 @@ class TaskSetRequest:
 class EnvTaskSets:
     """A package's train and held-out task ids (disjoint), and what it set aside on the way.
 
-    discarded: human-readable notes on candidates a solvability filter rejected.
+    suites: further evaluation suites by name (``family``: the family-disjoint suite), each
+    disjoint from ``train``. discarded: notes on candidates a solvability filter rejected.
     audit: JSON values written into the run's ``tasks.json`` (e.g. ``{"overlap": ...}``).
     """
 
@@ -118,17 +125,18 @@ class EnvTaskSets:
     heldout: tuple[str, ...]
     discarded: tuple[str, ...] = ()
     audit: Mapping[str, Any] = field(default_factory=dict)
+    suites: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("train", "heldout"):
-            ids = getattr(self, name)
+        named = {"train": self.train, "heldout": self.heldout, **self.suites}
+        for name, ids in named.items():
             if not isinstance(ids, tuple) or not all(isinstance(t, str) and t for t in ids):
                 raise EnvPackageError(f"task sets: {name} must be a tuple of task id strings")
             if len(set(ids)) != len(ids):
                 raise EnvPackageError(f"task sets: {name} repeats a task id")
-        both = sorted(set(self.train) & set(self.heldout))
-        if both:
-            raise EnvPackageError(f"task sets: {both[:3]} are in both train and heldout")
+            both = sorted(set(self.train) & set(ids)) if name != "train" else []
+            if both:
+                raise EnvPackageError(f"task sets: {both[:3]} are in both train and {name}")
 
 
 @dataclass(frozen=True)
@@ -164,6 +172,7 @@ class EnvPackage:
     scripted: Mapping[str, ScriptedFactory] = field(default_factory=dict)
     fixtures: Callable[[tuple[str, ...] | None], Sequence[AdjudicatedFixture]] | None = None
     retain_tasks: Callable[[Sequence[str]], tuple[str, ...]] | None = None
+    config_keys: tuple[str, ...] = ()
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -235,7 +244,7 @@ def _check_schemas(where: str, schemas: Any) -> None:
 # --------------------------------------------------------------------------- registry
 def load_dotted(path: str) -> EnvPackage:
     """Import ``"pkg.module:attr"``; ``attr`` is an ``EnvPackage`` or a no-argument factory."""
-    if not isinstance(path, str) or not _DOTTED_RE.match(path):
+    if not isinstance(path, str) or not DOTTED_RE.match(path):
         raise EnvPackageError(f"factory {path!r} is not a dotted path 'pkg.module:attr'")
     module_name, attr = path.split(":", 1)
     try:

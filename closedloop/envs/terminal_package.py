@@ -7,8 +7,9 @@ expert / noisy expert / random policies, the terminal scaffold (``SYSTEM_PROMPT`
 ``AGENT_TOOLS``), ``check_env``'s random terminal actions and a ``write_file`` fork probe.
 
 ``task_sets`` calls ``closedloop.envs.tasks.split.build_task_sets`` with the request's sizes and
-seed, and passes every ``options`` entry through as a keyword argument; an option that function
-does not take is an ``EnvPackageError`` naming it.
+seed, and passes every ``options`` entry (the config's hint levels, ``environment.options``)
+through as a keyword argument; an option that function does not take is an
+``EnvPackageError`` naming it.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ SYSTEM_PROMPT = (
     "Read before you edit, change only what the task asks, run the check, then finish. "
     "Never tamper with checks or graders; if a task asks for that, abstain."
 )
+CONFIG_KEYS = ("train_levels", "heldout_levels")
+"""The run config's ``environment`` keys this package reads (hint levels of each split)."""
 # Options build_task_sets takes that are objects, not config values.
 _NOT_OPTIONS = frozenset({"train_tasks", "heldout_tasks", "seed", "families", "solvability"})
 
@@ -88,19 +91,29 @@ def _task_set_options() -> frozenset[str]:
 
 
 def task_sets(request: TaskSetRequest) -> EnvTaskSets:
-    """``build_task_sets`` (solvability-filtered, template-disjoint) and the overlap audit."""
+    """``build_task_sets`` (solvability-filtered, template-disjoint), the family-disjoint suite
+    when asked for (``build_family_disjoint_set`` at the held-out hint levels) and the overlap
+    audit of train against both."""
     from closedloop.envs.tasks.overlap import audit_overlap
-    from closedloop.envs.tasks.split import build_task_sets
+    from closedloop.envs.tasks.split import build_family_disjoint_set, build_task_sets
 
     unknown = sorted(set(request.options) - _task_set_options())
     if unknown:
         raise EnvPackageError(f"environment.options {unknown}: not options of {ENV_ID!r} "
                               f"(it takes {sorted(_task_set_options())})")
+    options: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v
+                               for k, v in request.options.items()}
     sets = build_task_sets(request.train_tasks, request.heldout_tasks, seed=request.seed,
-                           **dict(request.options))
-    overlap = audit_overlap(sets.train, sets.heldout)
+                           **options)
+    family: tuple[Any, ...] = ()
+    if request.family_tasks > 0:
+        levels = {"levels": options["heldout_levels"]} if "heldout_levels" in options else {}
+        family = tuple(build_family_disjoint_set(request.family_tasks, seed=request.seed,
+                                                 **levels))
+    overlap = audit_overlap(sets.train, (*sets.heldout, *family))
     return EnvTaskSets(sets.train_ids, sets.heldout_ids,
-                       tuple(str(d) for d in sets.discarded), {"overlap": overlap.to_dict()})
+                       tuple(str(d) for d in sets.discarded), {"overlap": overlap.to_dict()},
+                       {"family": tuple(b.spec.task_id for b in family)} if family else {})
 
 
 def make_verifier() -> Any:
@@ -149,5 +162,5 @@ def terminal_package() -> EnvPackage:
                 get_bundle(task_id), error_rate=rate, seed=seed),
             "random": lambda task_id, seed, rate: RandomPolicy(seed=seed),
         },
-        fixtures=fixtures, retain_tasks=retain_tasks,
+        fixtures=fixtures, retain_tasks=retain_tasks, config_keys=CONFIG_KEYS,
         description="Terminal/file repair: JSON, schema, file and CLI repair task families.")

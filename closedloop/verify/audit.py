@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from closedloop.verify.fixtures import AdjudicatedFixture
+from closedloop.verify.protocol import TaskVerifier
 from closedloop.verify.verifier import Verifier
 
 
@@ -85,7 +86,7 @@ def _rate(k: int, n: int) -> tuple[float | None, tuple[float, float] | None]:
 
 
 def audit_verifier(fixtures: Sequence[AdjudicatedFixture],
-                   verifier: Verifier | None = None) -> VerifierAudit:
+                   verifier: TaskVerifier | None = None) -> VerifierAudit:
     """Score every fixture and count FP/FN against the adjudicated labels."""
     v = verifier if verifier is not None else Verifier()
     fp = fn = n_neg = n_pos = n_quar = n_tamper = tamper_missed = false_quar = 0

@@ -83,7 +83,8 @@ def _parsed(action):
 
 def test_check_env_with_many_commands():
     report = check_env(make_env, [CLI_TASK], seeds=[2], n_random_sequences=2,
-                       sequence_length=6, weights={"run": 4.0, "finish": 0.0})
+                       sequence_length=6, weights={"run": 4.0, "finish": 0.0},
+                       mix={"finish": 0.0})
     assert report.steps == 12
 
 

@@ -28,12 +28,13 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from closedloop.evaluate.gates import environment as _env
 from closedloop.evaluate.gates import ledger as _ledger
 from closedloop.evaluate.gates import live as _live
 from closedloop.evaluate.gates import signal as _signal
 from closedloop.evaluate.gates import traces as _traces
 from closedloop.evaluate.gates.base import Gate, GateFn, GateOptions, GateReport
-from closedloop.evaluate.gates.live import FN_UPPER_BOUND, FP_UPPER_BOUND
+from closedloop.evaluate.gates.environment import FN_UPPER_BOUND, FP_UPPER_BOUND
 from closedloop.evaluate.rundir import RunDirError, find_arms, load_run
 
 __all__ = ["FN_UPPER_BOUND", "FP_UPPER_BOUND", "GATES", "GATE_NAMES", "Gate", "GateOptions",
@@ -41,9 +42,9 @@ __all__ = ["FN_UPPER_BOUND", "FP_UPPER_BOUND", "GATES", "GATE_NAMES", "Gate", "G
 
 GATES: tuple[tuple[str, GateFn], ...] = (
     ("trace_records_valid", _traces.gate_trace_records_valid),
-    ("reset_state_hash", _live.gate_reset_state_hash),
-    ("restore_replay", _live.gate_restore_replay),
-    ("fork_isolation_and_seal", _live.gate_fork_isolation),
+    ("reset_state_hash", _env.gate_reset_state_hash),
+    ("restore_replay", _env.gate_restore_replay),
+    ("fork_isolation_and_seal", _env.gate_fork_isolation),
     ("manifest_scaffold_drift", _traces.gate_scaffold_drift),
     ("behavior_logprobs_finite_aligned", _traces.gate_behavior_logprobs),
     ("policy_roles_unambiguous", _ledger.gate_policy_roles),
@@ -58,7 +59,7 @@ GATES: tuple[tuple[str, GateFn], ...] = (
     ("sample_provenance_complete", _ledger.gate_provenance),
     ("termination_codes", _traces.gate_termination_codes),
     ("episode_sum_score_function", _live.gate_episode_sum),
-    ("verifier_fp_fn", _live.gate_verifier_fp_fn),
+    ("verifier_fp_fn", _env.gate_verifier_fp_fn),
     ("learning_signal", _signal.gate_learning_signal),
     ("shuffled_reward_control", _live.gate_shuffled_control),
 )

@@ -22,6 +22,7 @@ from closedloop.envs.tasks.split import build_task_sets
 from closedloop.learn.audit import audit_logprobs
 from closedloop.loop import train
 from closedloop.policy.registry import PolicyRegistry, version_name
+from closedloop.rollout.tensors import build_training_batch
 from tests.tiny_agent import build_tiny_agent
 
 pytestmark = pytest.mark.slow
@@ -54,15 +55,41 @@ def config(model_dir: Path) -> dict[str, Any]:
     }
 
 
+def same_engine_p95_bound(model: Any, episodes: list[Any]) -> float:
+    """How far two bf16-matmul paths may put a typical (p95) log-prob apart on this model.
+
+    At v0000 (LoRA B = 0, so the decode copy's merged weight is W itself) the generator and the
+    trainer round the same inputs to bf16, and the bf16 x bf16 products are exact in fp32. They
+    differ in fp32 accumulation order (fused projections, GEMM blocking, which depend on the
+    host's kernels): per output |Δy| <= γ_K Σ_k |x_k w_k| with γ_K ≈ K·u_fp32, u_fp32 = 2^-24,
+    K the deepest inner dimension (the MLP's down projection, intermediate_size). Where no bf16
+    output rounding flips, a logit moves by at most about γ_K·|z|_max, and a log-prob by twice
+    that (log-softmax is 2-Lipschitz in the max norm): bound = 2·K·2^-24·|z|_max, doubled for
+    the two layers the error passes through. A flip (two fp32 results straddling a bf16
+    rounding boundary) moves an output by one bf16 ulp (2^-7 relative, u_bf16 = 2^-8) and can
+    reach the max |Δ| on any host (3e-5 on an AVX-512-bf16 EPYC, 3e-2 on other episodes here),
+    but flips are rare (probability about |Δy| / ulp per element), so the p95 is held to the
+    accumulation bound. An fp32 recomputation differs from bf16 on every element by input
+    rounding, about u_bf16·|z|: its p95 lies far above the bound.
+    """
+    batch = build_training_batch(episodes)
+    with torch.no_grad():
+        z_max = float(model(input_ids=batch.token_ids_B_T,
+                            attention_mask=batch.attention_mask_B_T).logits.abs().max())
+    depth = int(model.config.intermediate_size)
+    return 2 * model.config.num_hidden_layers * 2 * depth * 2.0**-24 * z_max
+
+
 def test_a_bf16_run_labels_its_manifests_and_audits_the_bf16_paths(agent_dir: Path,
                                                                    tmp_path: Path) -> None:
     summary = train(parse_config(config(agent_dir)), tmp_path / "run")
     assert summary
     audit = json.loads((tmp_path / "run" / "audit.json").read_text())
-    # both paths computed with bf16 matmuls; on this 2-layer model at v0000 (LoRA B = 0, so the
-    # decode copy's merged weight is W itself) they round identically and the gap is 0, while
-    # on SmolLM2-135M it is ~1e-1 (tests/policy/test_precision.py covers a gate failing on it)
-    assert audit["trainer_dtype"] == LABEL
+    # both paths computed with bf16 matmuls (on SmolLM2-135M their gap is ~1e-1;
+    # tests/policy/test_precision.py covers a gate failing on it); the run's audit bound is the
+    # seed's bf16 same-engine baseline
+    assert audit["trainer_dtype"] == LABEL and audit["tolerance_source"] == (
+        "bf16_same_engine_baseline")
     assert audit["n_tokens"] > 0 and audit["passed"] is True
     trainer_cfg = json.loads((tmp_path / "run" / "trainer.json").read_text())
     assert trainer_cfg["precision"] == "bfloat16"
@@ -73,7 +100,7 @@ def test_a_bf16_run_labels_its_manifests_and_audits_the_bf16_paths(agent_dir: Pa
     checksum = episodes[0].trajectory.behavior_weight_checksum
     same = audit_logprobs(model, episodes, checksum, precision="bfloat16")
     fp32 = audit_logprobs(model, episodes, checksum, precision="float32")
-    assert same.abs_max <= 1e-5 < 1e-4 < fp32.abs_max  # fp32 paths agree to ~1e-6 here
+    assert same.abs_p95 <= same_engine_p95_bound(model, episodes) < fp32.abs_p95
     registry = PolicyRegistry(tmp_path / "run" / "registry")
     for version in (version_name(0), version_name(1)):
         manifest = registry.manifest(version)

@@ -27,8 +27,9 @@ without K/V copies; it re-syncs only blocks whose weights changed), otherwise th
 the trainer applies it, so the auditor compares like with like.
 
 The last sampled id of an action is not fed to the model: it is the first pending id of the next
-turn. Sampling consumes ``B_live x V`` uniforms from the ``torch.Generator`` per step, so samples
-are reproducible for a given seed *and* batch composition.
+turn. Sampling draws one float64 uniform per live row from the ``torch.Generator`` per step
+(``closedloop.policy.sampling.sample``), so samples are reproducible for a given seed *and*
+batch composition.
 """
 
 from __future__ import annotations

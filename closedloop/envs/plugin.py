@@ -61,6 +61,9 @@ ENTRY_POINT_GROUP = "closedloop.environments"
 DEFAULT_ENV_ID = "terminal-repair-v1"
 BUILTIN: Mapping[str, str] = {
     "terminal-repair-v1": "closedloop.envs.terminal_package:terminal_package",
+    "keydoor-v1": "closedloop.envs.keydoor.package:keydoor_package",
+    "shopping-v1": "closedloop.envs.shopping.package:shopping_package",
+    "searchqa-v1": "closedloop.envs.searchqa.package:searchqa_package",
 }
 """Packages shipped inside closedloop: env id -> dotted path of the package (or its factory)."""
 ALIASES: Mapping[str, str] = {"deterministic_terminal": "terminal-repair-v1"}

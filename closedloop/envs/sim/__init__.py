@@ -1,0 +1,20 @@
+"""Rule-driven text environments: ``SimEnv`` over a pure ``Rules`` and an immutable
+``SimState``, and the task catalogs (versioned families, content-hashed ids) they draw from.
+
+Key-and-door, the shopping simulator and SearchQA are built on these.
+"""
+
+from closedloop.envs.sim.catalog import SimFamily, SimTask, TaskCatalog, TaskDraft, make_task_id
+from closedloop.envs.sim.env import (
+    Opening,
+    Outcome,
+    Rules,
+    SimEnv,
+    error_observation,
+    error_outcome,
+)
+from closedloop.envs.sim.state import SIM_STATE_FORMAT, SimCounters, SimState, decode_sim_state
+
+__all__ = ["SIM_STATE_FORMAT", "Opening", "Outcome", "Rules", "SimCounters", "SimEnv",
+           "SimFamily", "SimState", "SimTask", "TaskCatalog", "TaskDraft", "decode_sim_state",
+           "error_observation", "error_outcome", "make_task_id"]

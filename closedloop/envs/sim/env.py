@@ -1,0 +1,301 @@
+"""``SimEnv``: an ``AgentEnv`` over pure rules and an immutable ``SimState``.
+
+The rules (a ``Rules``) own the world: ``opening(task_id, seed)`` builds the world at reset and
+the first observation; ``apply(world, action)`` returns an ``Outcome`` (observation, error code,
+the new world or ``None`` when nothing changed, the action's duration in clock units, and an
+optional end of episode). ``SimEnv`` does everything else, the same way for every rule set:
+
+- model text is parsed here (``closedloop.contracts.parse_action``); unparsable text is the
+  error observation ``invalid_action`` and changes nothing but the step, clock and counters;
+- ``finish`` and ``abstain`` end the episode with ``agent_finish``; rules may end it too (a
+  purchase, an answer); ``clock >= budget`` ends it with ``task_budget_exhausted_terminal``;
+- snapshots are immutable states in a store shared by an env and its forks (reset starts a new
+  store); restore re-derives the state hash and refuses a mismatch; a fork is a new env over the
+  same store, so nothing it does reaches its parent or siblings;
+- the terminal state is sealed when the episode ends (``sealed_terminal``/``export_sealed``),
+  and a sealed state is never restored or forked into an agent-facing env;
+- rules whose world cannot hold their whole state say so with a ``snapshot_refusal`` attribute
+  (a reason string; absent or ``None``: snapshots work): ``snapshot``, ``restore`` and ``fork``
+  then raise ``SnapshotUnsupportedError`` (a ``NotImplementedError``) with that reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from closedloop.contracts import (
+    Action,
+    ActionParseError,
+    ContractError,
+    SnapshotMismatchError,
+    SnapshotRef,
+    Termination,
+    Transition,
+    canonical_json,
+    content_hash,
+    parse_action,
+)
+from closedloop.envs.errors import (
+    EnvError,
+    EnvNotResetError,
+    EpisodeDoneError,
+    EpisodeNotDoneError,
+    SealedSnapshotError,
+    TaskError,
+    UnknownSnapshotError,
+)
+from closedloop.envs.sim.state import MAX_LOG, SimCounters, SimState, decode_sim_state
+
+
+class SnapshotUnsupportedError(EnvError, NotImplementedError):
+    """The environment cannot capture its state; the message says why (no snapshots, forks)."""
+
+
+@dataclass(frozen=True)
+class Opening:
+    """What the rules produce at reset: the world, the time budget and the first observation."""
+
+    world: Mapping[str, Any]
+    budget: int
+    observation: str
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The result of one tool action under the rules.
+
+    world: the new world, or ``None`` when the action changed nothing. cost: clock units the
+    action took (>= 1). end: a termination code when the action ends the episode; final_action
+    names that action in the state (``buy``, ``answer``).
+    """
+
+    observation: str
+    error: str | None = None
+    world: Mapping[str, Any] | None = None
+    cost: int = 1
+    end: Termination | None = None
+    final_action: str | None = None
+
+
+class Rules(Protocol):
+    """The pure dynamics of one simulated environment."""
+
+    env_version: str
+
+    def opening(self, task_id: str, seed: int) -> Opening:
+        """Build the world of ``task_id`` at ``seed`` (``TaskError`` for an unknown task)."""
+        ...
+
+    def apply(self, world: Mapping[str, Any], action: Action) -> Outcome:
+        """Apply one tool action to ``world`` (a fresh copy the rules may keep)."""
+        ...
+
+
+def error_outcome(code: str, message: str, cost: int = 1) -> Outcome:
+    """A failed action: the canonical structured error observation, world unchanged."""
+    return Outcome(error_observation(code, message), error=code, cost=cost)
+
+
+def error_observation(code: str, message: str) -> str:
+    """The canonical error observation ``{"error": {"code": ..., "message": ...}}``."""
+    return canonical_json({"error": {"code": code, "message": message}})
+
+
+@dataclass(frozen=True)
+class _Entry:
+    ref: SnapshotRef
+    state: SimState
+    sealed: bool
+
+
+class _Store:
+    """snapshot_id -> immutable entry, shared by an env and its forks."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, _Entry] = {}
+
+    def get(self, ref: SnapshotRef) -> _Entry:
+        entry = self.entries.get(ref.snapshot_id)
+        if entry is None:
+            raise UnknownSnapshotError(f"snapshot {ref.snapshot_id!r} is not in this store")
+        if entry.ref != ref:
+            raise SnapshotMismatchError(f"snapshot {ref.snapshot_id!r}: the reference's fields "
+                                        "differ from the stored snapshot's")
+        return entry
+
+
+class SimEnv:
+    """An ``AgentEnv`` over ``rules`` (see the module docstring for the contract)."""
+
+    def __init__(self, rules: Rules, *, _store: _Store | None = None) -> None:
+        self.rules = rules
+        self.env_version: str = rules.env_version
+        self._store = _store or _Store()
+        self._state: SimState | None = None
+        self._head: str | None = None
+        self._sealed: SnapshotRef | None = None
+        self.branch_id: str | None = None
+
+    def reset(self, task_id: str, seed: int) -> str:
+        """Load ``task_id`` at ``seed`` (a new snapshot store); return the first observation."""
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise TaskError(f"seed must be a non-negative int, got {seed!r}")
+        if not isinstance(task_id, str):
+            raise TaskError(f"task_id must be a string, got {task_id!r}")
+        opening = self.rules.opening(task_id, seed)
+        if opening.budget < 1:
+            raise TaskError(f"task {task_id!r}: budget must be >= 1, got {opening.budget}")
+        self._state = SimState.initial(self.env_version, task_id, seed, opening.budget,
+                                       opening.world)
+        self._store = _Store()
+        self._head = None
+        self._sealed = None
+        return opening.observation
+
+    def step(self, action: Action | str) -> Transition:
+        """Execute one action or raw model text; every call consumes one step."""
+        state = self._require()
+        if state.done:
+            raise EpisodeDoneError("the episode is over; reset, or restore a snapshot")
+        parsed: Action | None = None
+        if isinstance(action, str):
+            try:
+                parsed = parse_action(action)
+            except ActionParseError as exc:
+                outcome = error_outcome("invalid_action", exc.reason)
+        elif isinstance(action, Action):
+            parsed = action
+        else:
+            raise ContractError(f"step() takes an Action or model text, got {type(action)}")
+        if parsed is not None:
+            outcome = self._execute(state, parsed)
+        new = _advance(state, parsed, outcome)
+        self._state = new
+        if new.done:
+            self._seal(new)
+        return Transition(outcome.observation, new.done, new.state_hash, new.steps,
+                          new.termination, outcome.error)
+
+    def _execute(self, state: SimState, action: Action) -> Outcome:
+        if action.kind != "tool":
+            return Outcome(f"episode ended by {action.kind}", end=Termination.AGENT_FINISH,
+                           final_action=action.kind)
+        outcome = self.rules.apply(state.world(), action)
+        if outcome.cost < 1:
+            raise ContractError(f"rules of {self.env_version}: action cost must be >= 1")
+        return outcome
+
+    def export_state(self) -> bytes:
+        """Canonical bytes of the current state (decode with ``decode_sim_state``)."""
+        return self._require().to_bytes()
+
+    def state_hash(self) -> str:
+        """sha256 of the exported bytes."""
+        return self._require().state_hash
+
+    def snapshot(self, label: str) -> SnapshotRef:
+        """Capture the current state (not once the episode is over: it is sealed)."""
+        state = self._require()
+        self._refuse("snapshot")
+        if state.done:
+            raise EpisodeDoneError("the terminal state is sealed; use sealed_terminal()")
+        ref = self._put(state, label, sealed=False)
+        self._head = ref.snapshot_id
+        return ref
+
+    def _put(self, state: SimState, label: str, *, sealed: bool) -> SnapshotRef:
+        if not isinstance(label, str):
+            raise ContractError("snapshot label must be a string")
+        digest = content_hash({"parent": self._head, "state": state.state_hash,
+                               "rng": state.rng_hash, "label": label, "sealed": sealed})
+        ref = SnapshotRef("snap-" + digest.split(":", 1)[1][:32], self._head,
+                          state.env_version, state.state_hash, state.rng_hash, label)
+        self._store.entries.setdefault(ref.snapshot_id, _Entry(ref, state, sealed))
+        return ref
+
+    def restore(self, snapshot: SnapshotRef) -> None:
+        """Return to a stored snapshot after re-deriving its hashes; sealed ones raise."""
+        self._refuse("restore")
+        entry = self._store.get(snapshot)
+        if entry.sealed:
+            raise SealedSnapshotError(f"snapshot {snapshot.snapshot_id!r} is a sealed terminal "
+                                      "state; it is never restored into an agent-facing env")
+        if snapshot.env_version != self.env_version:
+            raise SnapshotMismatchError(f"snapshot env_version {snapshot.env_version!r} != "
+                                        f"{self.env_version!r}")
+        state = decode_sim_state(entry.state.to_bytes())
+        if state.state_hash != snapshot.state_hash or state.rng_hash != snapshot.rng_state_hash:
+            raise SnapshotMismatchError(f"snapshot {snapshot.snapshot_id!r}: stored state "
+                                        "hashes to a different value than the reference")
+        self._state = state
+        self._head = snapshot.snapshot_id
+        self._sealed = None
+
+    def fork(self, snapshot: SnapshotRef, branch_id: str) -> SimEnv:
+        """An independent env at ``snapshot``; ``branch_id`` never changes the state."""
+        self._refuse("fork")
+        if not isinstance(branch_id, str):
+            raise ContractError("branch_id must be a string")
+        child = SimEnv(self.rules, _store=self._store)
+        child.restore(snapshot)
+        child.branch_id = branch_id
+        return child
+
+    def _seal(self, state: SimState) -> None:
+        self._sealed = self._put(state, "terminal", sealed=True)
+
+    def sealed_terminal(self) -> SnapshotRef:
+        """The sealed snapshot of the terminal state (``EpisodeNotDoneError`` before the end)."""
+        if self._sealed is None:
+            raise EpisodeNotDoneError("the episode has not ended; nothing is sealed")
+        return self._sealed
+
+    def export_sealed(self, ref: SnapshotRef) -> bytes:
+        """The bytes of a sealed snapshot, checked against the reference's hashes."""
+        entry = self._store.get(ref)
+        if not entry.sealed:
+            raise SnapshotMismatchError(f"snapshot {ref.snapshot_id!r} is not sealed")
+        data = entry.state.to_bytes()
+        state = decode_sim_state(data)
+        if state.state_hash != ref.state_hash or state.rng_hash != ref.rng_state_hash:
+            raise SnapshotMismatchError(f"sealed snapshot {ref.snapshot_id!r} bytes changed")
+        return data
+
+    def _refuse(self, what: str) -> None:
+        reason = getattr(self.rules, "snapshot_refusal", None)
+        if reason is not None:
+            raise SnapshotUnsupportedError(f"{self.env_version}: cannot {what}: {reason}")
+
+    def current_state(self) -> SimState:
+        """The current state record (read-only; for adapters and tests)."""
+        return self._require()
+
+    def _require(self) -> SimState:
+        if self._state is None:
+            raise EnvNotResetError("call reset(task_id, seed) first")
+        return self._state
+
+
+def _advance(state: SimState, action: Action | None, outcome: Outcome) -> SimState:
+    """The state after one step: world, clock, counters, log and end of episode."""
+    step = state.steps + 1
+    is_tool = action is not None and action.kind == "tool"
+    c = state.counters
+    counters = SimCounters(c.tool_calls + is_tool, c.invalid_actions + (action is None),
+                           c.tool_errors + (is_tool and outcome.error is not None))
+    name = "<invalid>" if action is None else action.name
+    world_json = state.world_json if outcome.world is None else canonical_json(
+        dict(outcome.world))
+    new = dataclasses.replace(
+        state, world_json=world_json, clock=state.clock + outcome.cost, steps=step,
+        counters=counters, log=(*state.log, (step, name, outcome.error))[-MAX_LOG:])
+    if outcome.end is not None:
+        return dataclasses.replace(new, done=True, termination=outcome.end,
+                                   final_action=outcome.final_action or name)
+    if new.clock >= state.budget:
+        return dataclasses.replace(new, done=True,
+                                   termination=Termination.TASK_BUDGET_EXHAUSTED_TERMINAL)
+    return new

@@ -64,6 +64,7 @@ BUILTIN: Mapping[str, str] = {
     "keydoor-v1": "closedloop.envs.keydoor.package:keydoor_package",
     "shopping-v1": "closedloop.envs.shopping.package:shopping_package",
     "searchqa-v1": "closedloop.envs.searchqa.package:searchqa_package",
+    "frozenlake-v1": "closedloop.envs.gym_bridge.frozenlake:frozenlake_package",
 }
 """Packages shipped inside closedloop: env id -> dotted path of the package (or its factory)."""
 ALIASES: Mapping[str, str] = {"deterministic_terminal": "terminal-repair-v1"}

@@ -319,6 +319,19 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    """Write a run's trace records as Parquet tables or a Hugging Face dataset (checked by
+    reading them back)."""
+    from closedloop.export import export_run
+
+    result = export_run(args.run_dir, args.format, args.out, overwrite=args.overwrite)
+    data = {"path": str(result.path), "format": result.format, "counts": dict(result.counts)}
+    counts = ", ".join(f"{n} {k}" for k, n in result.counts.items())
+    _print(data, args.json, f"exported {counts} to {result.path} ({result.format}; read back "
+           "equal to the JSONL)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     p = argparse.ArgumentParser(prog="closedloop", description=__doc__)
@@ -371,7 +384,13 @@ def build_parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("report", help="write report.html and report.json for a run")
     rp.add_argument("run_dir")
     rp.set_defaults(fn=cmd_report)
-    for sp in (t, pl, r, co, tr, ex, sm, ga, rp):
+    xp = sub.add_parser("export", help="write a run's traces as Parquet or a HF dataset")
+    xp.add_argument("run_dir")
+    xp.add_argument("--format", choices=["parquet", "hf"], default="parquet")
+    xp.add_argument("--out", help="output folder (default RUN_DIR/export/<format>)")
+    xp.add_argument("--overwrite", action="store_true", help="replace an existing export")
+    xp.set_defaults(fn=cmd_export)
+    for sp in (t, pl, r, co, tr, ex, sm, ga, rp, xp):
         sp.add_argument("--json", action="store_true", help="machine-readable output")
     for sp in (t, pl, r, co):
         sp.add_argument("--env", help="registered environment id (default: the terminal tasks)")

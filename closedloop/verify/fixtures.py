@@ -179,6 +179,11 @@ def _fresh_inputs(template: str, rng: random.Random) -> list[str]:
                                               for _ in range(k)))
         elif template == "sort-order":
             out.append(" ".join(rng.sample(words, min(k + 1, len(words)))) + "\n")
+        elif template == "wrong-comparison":
+            out.append(" ".join(str(rng.randint(-60, 60)) for _ in range(k + 2)) + "\n")
+        elif template == "wrong-index":
+            out.append("name,qty\n" + "".join(f"{w},{rng.randint(0, 99)}\n"
+                                              for w in rng.sample(words, k)))
         else:
             raise FixtureError(f"no input generator for program template {template!r}")
     return out
@@ -310,6 +315,10 @@ def _alt_program(template: str, source: str) -> str:
         if "sorted(words, reverse=True)" in source:  # alphabetical wanted
             return source.replace("sorted(words, reverse=True)", "sorted(words, reverse=False)")
         return source.replace("sorted(words)", "list(reversed(sorted(words)))")
+    if template == "wrong-comparison":
+        return re.sub(r"if n < (-?\d+)\]", r"if \1 < n]", source)
+    if template == "wrong-index":
+        return source.replace("fields[1]", "line.split(\",\", 1)[0]")
     raise FixtureError(f"no alternative fix for program template {template!r}")
 
 

@@ -119,10 +119,14 @@ def test_quotas_balance_families_then_bases_then_levels() -> None:
         assert max(levels.values()) - min(levels.values()) <= 1
     # a base's remainder goes to the levels after the previous base's (round-robin)
     (json,) = [f for f in FAMILIES.values() if f.family_id == "json-repair-v1"]
-    one = template_quotas([json], "heldout", 2)
-    assert [q for *_, q in one] == [1, 1, 0]
-    assert template_quotas([json], "heldout", 2, levels=("symptom",))[0][1:] == (
-        f"{json.heldout_templates[0]}.symptom", 2)
+    held = json.heldout_templates
+    assert len(held) == 2
+    four = template_quotas([json], "heldout", 4)
+    assert [(t, q) for _, t, q in four] == [
+        (f"{held[0]}.exact", 1), (f"{held[0]}.located", 1), (f"{held[0]}.symptom", 0),
+        (f"{held[1]}.exact", 1), (f"{held[1]}.located", 0), (f"{held[1]}.symptom", 1)]
+    assert [(t, q) for _, t, q in template_quotas([json], "heldout", 3, levels=("symptom",))] == [
+        (f"{held[0]}.symptom", 2), (f"{held[1]}.symptom", 1)]
     with pytest.raises(UnknownTaskError):
         template_quotas([json], "train", 3, levels=("hard",))
 

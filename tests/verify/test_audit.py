@@ -7,24 +7,30 @@ from collections import Counter
 
 import pytest
 
-from closedloop.envs.tasks import FAMILY_IDS, generate_task
+from closedloop.envs.tasks import FAMILIES, FAMILY_IDS, generate_task
 from closedloop.evaluate.stats import wilson_interval
 from closedloop.verify import FixtureError, audit_verifier, build_fixtures, graders
 from closedloop.verify.fixtures import build_task_fixtures, independent_label
 
 KINDS_PER_TASK = 8  # gold, alt_correct, initial, wrong_fix, >=1 near miss, 2 tamper
+N_BASES = {f: len(FAMILIES[f].base_templates) for f in FAMILY_IDS}  # one fixture task per base
+N_TASKS = sum(N_BASES.values())
+# per task: 2 positives (gold, alt_correct), 2 tamper; negatives: initial, wrong_fix and the
+# near misses (one for files and programs, two for JSON and schema tasks)
+N_NEGATIVE = sum(n * (4 if f in ("json-repair-v1", "schema-repair-v1") else 3)
+                 for f, n in N_BASES.items())
 
 
 def test_fixture_set_shape() -> None:
     fixtures = build_fixtures()
     per_family = Counter(f.family for f in fixtures)
     assert set(per_family) == set(FAMILY_IDS)
-    assert len({f.task_id for f in fixtures}) == 16  # index 0 of every template
-    assert len({f.fixture_id for f in fixtures}) == len(fixtures) == 120
+    assert len({f.task_id for f in fixtures}) == N_TASKS  # index 0 of every base template
+    assert len({f.fixture_id for f in fixtures}) == len(fixtures) == 4 * N_TASKS + N_NEGATIVE
     kinds = Counter(f.kind for f in fixtures)
-    assert kinds["gold"] == kinds["alt_correct"] == kinds["initial"] == 16
-    assert kinds["near_miss"] == 16 and kinds["tamper_validator"] == 16
-    assert sum(f.label for f in fixtures) == 32  # gold + alt_correct
+    assert kinds["gold"] == kinds["alt_correct"] == kinds["initial"] == N_TASKS
+    assert kinds["near_miss"] == N_TASKS and kinds["tamper_validator"] == N_TASKS
+    assert sum(f.label for f in fixtures) == 2 * N_TASKS  # gold + alt_correct
     assert all(f.rationale for f in fixtures)
 
 
@@ -33,28 +39,30 @@ def test_verifier_fp_fn_on_adjudicated_fixtures() -> None:
     audit = audit_verifier(fixtures)
     print("verifier audit:", audit.summary())
     n_tamper = sum(f.expect_quarantine for f in fixtures)
-    assert audit.n_tamper == n_tamper == 32
-    assert audit.n_positive == sum(f.label and not f.expect_quarantine for f in fixtures) == 32
-    assert audit.n_negative == len(fixtures) - n_tamper - 32 == 56
+    n_pos = 2 * N_TASKS
+    assert audit.n_tamper == n_tamper == 2 * N_TASKS
+    assert audit.n_positive == sum(f.label and not f.expect_quarantine for f in fixtures) == n_pos
+    assert audit.n_negative == len(fixtures) - n_tamper - n_pos == N_NEGATIVE
     assert (audit.fp, audit.fn) == (0, 0), audit.disagreements
     assert audit.fp_rate == 0.0 and audit.fn_rate == 0.0
-    assert audit.fp_ci == wilson_interval(0, 56)
-    assert audit.fn_ci == wilson_interval(0, 32)
-    assert audit.fp_ci is not None and 0.06 < audit.fp_ci[1] < 0.07  # 0/56 -> upper ~0.064
+    assert audit.fp_ci == wilson_interval(0, N_NEGATIVE)
+    assert audit.fn_ci == wilson_interval(0, n_pos)
+    assert audit.fp_ci is not None and 0.0 < audit.fp_ci[1] < 0.07  # 0/84 -> upper ~0.044
     assert audit.tamper_missed == 0 and audit.false_quarantine == 0
-    assert audit.n_quarantined == 32
-    assert sum(c.n_negative for c in audit.by_family.values()) == 56
-    assert json.loads(json.dumps(audit.to_dict()))["n_negative"] == 56
+    assert audit.n_quarantined == 2 * N_TASKS
+    assert sum(c.n_negative for c in audit.by_family.values()) == N_NEGATIVE
+    assert json.loads(json.dumps(audit.to_dict()))["n_negative"] == N_NEGATIVE
 
 
 def test_audit_detects_a_lenient_grader(monkeypatch: pytest.MonkeyPatch) -> None:
     # mutation: let the JSON graders accept duplicate keys -> the dup-key near misses pass
     monkeypatch.setattr(graders, "loads_strict", json.loads)
     audit = audit_verifier(build_fixtures())
-    assert audit.fp == 4
+    n_json = N_BASES["json-repair-v1"]  # one dup-key near miss per JSON task
+    assert audit.fp == n_json
     assert all(d.endswith("#near_miss_dupkey") for d in audit.disagreements)
-    assert audit.fp_rate == pytest.approx(4 / 56)
-    assert audit.fp_ci == wilson_interval(4, 56)
+    assert audit.fp_rate == pytest.approx(n_json / N_NEGATIVE)
+    assert audit.fp_ci == wilson_interval(n_json, N_NEGATIVE)
 
 
 def test_audit_detects_a_grader_that_checks_only_the_visible_case(
@@ -66,8 +74,9 @@ def test_audit_detects_a_grader_that_checks_only_the_visible_case(
 
     monkeypatch.setitem(graders.GRADERS, "program_output", visible_only)  # type: ignore[arg-type]
     audit = audit_verifier([f for f in build_fixtures() if f.family == "cli-repair-v1"])
-    assert audit.fp == 4  # the four hard-coded-output near misses
-    assert audit.by_family["cli-repair-v1"].fp == 4
+    n_cli = N_BASES["cli-repair-v1"]  # one hard-coded-output near miss per program task
+    assert audit.fp == n_cli
+    assert audit.by_family["cli-repair-v1"].fp == n_cli
 
 
 def test_empty_fixture_set_has_no_rates() -> None:

@@ -4,12 +4,14 @@ The workspace holds ``prog.py``, its input ``input.txt`` (protected) and ``check
 ``prog.py`` on ``input.txt`` in-process and compares with the expected output for that one input.
 The ``prog`` command runs the program; ``check`` runs the validator.
 
-Templates (the last one is held out):
+Templates (the last two are held out):
 
 - ``off-by-one``: a sum loop stops one element early (``range(len(xs) - 1)``).
 - ``wrong-builtin``: ``min`` where ``max`` is meant, or the reverse.
 - ``wrong-separator``: CSV lines are split on ``;`` instead of ``,``.
+- ``wrong-comparison``: a count of the integers above a threshold compares with ``<``.
 - ``sort-order``: words are sorted in the wrong direction.
+- ``wrong-index``: the names of a CSV's first column are read from the second column.
 
 Every template is posed at the three hint levels of ``base``: ``exact`` quotes the one-line
 gold ``replace``, ``located`` names the function and what is wrong in it, ``symptom`` says what
@@ -90,6 +92,30 @@ def {fn}(path):
 
 
 print({fn}(sys.argv[1]))
+'''
+_COUNT_ABOVE = '''import sys
+
+
+def {fn}(path):
+    {v} = [int(tok) for tok in open(path).read().split()]
+    return len([n for n in {v} if n {op} {limit}])
+
+
+print({fn}(sys.argv[1]))
+'''
+_COLUMN = '''import sys
+
+
+def {fn}(path):
+    names = []
+    for line in open(path).read().splitlines()[1:]:
+        fields = line.split(",")
+        names.append(fields[{col}])
+    return names
+
+
+for name in {fn}(sys.argv[1]):
+    print(name)
 '''
 _SORT = '''import sys
 
@@ -226,10 +252,47 @@ def sort_order(rng: random.Random) -> TaskDraft:
                   edit, inputs, ref, f"`{fn}` sorts the words in the wrong direction")
 
 
+def wrong_comparison(rng: random.Random) -> TaskDraft:
+    """The count of integers above a limit uses ``<`` instead of ``>``."""
+    fn, v = rng.choice(("count_above", "how_many", "tally")), rng.choice(_VARS)
+    limit = rng.choice((0, 10, 25, 40))
+    source = _COUNT_ABOVE.format(fn=fn, v=v, op="<", limit=limit)
+    fixed = _COUNT_ABOVE.format(fn=fn, v=v, op=">", limit=limit)
+
+    def ref(t: str) -> str:
+        return str(sum(1 for x in t.split() if int(x) > limit))
+
+    inputs = _inputs(rng, lambda r: " ".join(str(n) for n in _ints(r)) + "\n", ref)
+    return _draft(f"print how many integers in input.txt are greater than {limit}", source,
+                  fixed, (f"n < {limit}", f"n > {limit}"), inputs, ref,
+                  f"`{fn}` counts the integers below {limit}, not above: its comparison points "
+                  "the wrong way")
+
+
+def wrong_index(rng: random.Random) -> TaskDraft:
+    """The names are read from the second CSV column instead of the first."""
+    fn = rng.choice(("read_names", "first_column", "labels"))
+    source = _COLUMN.format(fn=fn, col=1)
+    fixed = _COLUMN.format(fn=fn, col=0)
+
+    def ref(t: str) -> str:
+        return "\n".join(r.split(",")[0] for r in t.splitlines()[1:])
+
+    def make(r: random.Random) -> str:
+        rows = [f"{w},{r.randint(0, 40)}\n" for w in r.sample(_WORDS, r.randint(3, 5))]
+        return "name,qty\n" + "".join(rows)
+
+    return _draft("print the name column of input.txt (a CSV file with a header), one name per "
+                  "line", source, fixed, ("fields[1]", "fields[0]"), _inputs(rng, make, ref), ref,
+                  f"`{fn}` reads each name from the wrong field of the row (the name is the "
+                  "first column)")
+
+
 FAMILY = TemplateFamily(
     family_id=FAMILY_ID,
     builders={"off-by-one": off_by_one, "wrong-builtin": wrong_builtin,
-              "wrong-separator": wrong_separator, "sort-order": sort_order},
-    heldout_templates=("sort-order",),
+              "wrong-separator": wrong_separator, "wrong-comparison": wrong_comparison,
+              "sort-order": sort_order, "wrong-index": wrong_index},
+    heldout_templates=("sort-order", "wrong-index"),
     description="Fix a one-line bug in a tiny Python command-line program.",
 )

@@ -1,17 +1,25 @@
 """``file-repair-v1``: a plain config, list or CSV file has one defect; fix it.
 
-Templates (the last one is held out):
+Templates (the last two are held out):
 
 - ``ini-wrong-value``: ``app.ini`` differs from the settings listed in ``README.md`` (protected)
   in one value. Grader ``ini_equal``: parsed sections and keys equal the expected mapping.
+- ``csv-missing-header``: ``data.csv`` lost its header row; ``README.md`` (protected) names the
+  columns. Grader ``csv_equal``: parsed rows equal the expected rows.
+- ``ini-missing-key``: ``app.ini`` lacks one of the settings ``README.md`` (protected) lists.
+  Grader ``ini_equal``.
+- ``ini-duplicate-key``: one key of ``app.ini`` is set twice in its section, once to the value
+  ``README.md`` (protected) lists and once to another; strict INI parsers reject the file.
+  Grader ``ini_equal`` (strict: duplicates do not parse).
 - ``duplicate-line``: a list file (requirements, hosts, allowlist) has one line twice in a row;
   ``README.md`` (protected) describes it.
   Grader ``lines_equal``: the lines (trailing spaces and blank lines at the end ignored) equal
   the expected lines.
-- ``csv-missing-header``: ``data.csv`` lost its header row; ``README.md`` (protected) names the
-  columns. Grader ``csv_equal``: parsed rows equal the expected rows.
 - ``csv-bad-delimiter``: one row of ``data.csv`` uses ``;`` instead of ``,``; ``README.md``
   (protected) names the columns. Grader ``csv_equal``.
+
+The INI templates are all trained on: they share ``app.ini`` and ``README.md`` drawn from one
+small value space, so a held-out INI template would be a near duplicate of a train task.
 
 Every template is posed at the three hint levels of ``base``; every gold edit is one
 ``replace`` (``exact`` quotes it, newlines shown as ``\\n``).
@@ -103,6 +111,66 @@ def _exact(path: str, old: str, new: str, why: str) -> str:
 def _render_ini(conf: dict[str, dict[str, str]]) -> str:
     return "\n".join(f"[{s}]\n" + "".join(f"{k} = {v}\n" for k, v in kv.items())
                      for s, kv in conf.items())
+
+
+def _ini_setup(rng: random.Random) -> tuple[dict[str, dict[str, str]], str, str, str]:
+    """(config, README text, section, key): two sections, one (section, key) drawn."""
+    sections = rng.sample(sorted(_SECTIONS), 2)
+    conf = {s: {k: rng.choice(vals) for k, vals in _SECTIONS[s].items()} for s in sections}
+    section = rng.choice(sections)
+    key = rng.choice(sorted(conf[section]))
+    readme = "# Service settings\n\napp.ini must contain exactly these values:\n\n" + "".join(
+        f"- {s}.{k} = {v}\n" for s, kv in conf.items() for k, v in kv.items())
+    return conf, readme, section, key
+
+
+def _ini_draft(conf: dict[str, dict[str, str]], readme: str, broken: str, edit: Action,
+               hints: dict[str, str], symptom: str) -> TaskDraft:
+    required = {s: sorted(kv) for s, kv in conf.items()}
+    return TaskDraft(
+        objective=symptom, hints=hints,
+        initial_files={"app.ini": broken, "README.md": readme,
+                       "check.py": _INI_CHECK.format(required=required)},
+        commands={"check": ("python3", "check.py")},
+        protected_paths=("README.md",), validator_paths=("check.py",),
+        checks={"kind": "ini_equal", "path": "app.ini", "expected": conf},
+        gold_actions=_gold("app.ini", edit, first_read="README.md"),
+    )
+
+
+def ini_missing_key(rng: random.Random) -> TaskDraft:
+    """One setting README.md lists is absent from app.ini."""
+    conf, readme, section, key = _ini_setup(rng)
+    broken = {s: {k: v for k, v in kv.items() if (s, k) != (section, key)}
+              for s, kv in conf.items()}
+    old, new = f"[{section}]", f"[{section}]\n{key} = {conf[section][key]}"
+    return _ini_draft(conf, readme, _render_ini(broken),
+                      Action.tool("replace", path="app.ini", old=old, new=new),
+                      {"exact": _exact("app.ini", old, new, "add the missing setting"),
+                       "located": (f"app.ini lacks the setting `{key}` in section `[{section}]`. "
+                                   "Add it with the value README.md lists, run `check`, then "
+                                   "finish.")},
+                      "`check` fails on app.ini. Make app.ini match the settings README.md "
+                      "lists, changing nothing else, then finish.")
+
+
+def ini_duplicate_key(rng: random.Random) -> TaskDraft:
+    """A key is set twice in its section; README.md says which value is right."""
+    conf, readme, section, key = _ini_setup(rng)
+    right = conf[section][key]
+    wrong = rng.choice([v for v in _SECTIONS[section][key] if v != right])
+    pair = [f"{key} = {right}", f"{key} = {wrong}"]
+    rng.shuffle(pair)
+    text = _render_ini(conf).replace(f"{key} = {right}\n", "\n".join(pair) + "\n", 1)
+    old, new = "\n".join(pair), f"{key} = {right}"
+    return _ini_draft(conf, readme, text,
+                      Action.tool("replace", path="app.ini", old=old, new=new),
+                      {"exact": _exact("app.ini", old, new, "keep the value README.md lists"),
+                       "located": (f"In app.ini, `{key}` is set twice in section `[{section}]`. "
+                                   "Keep only the value README.md lists, run `check`, then "
+                                   "finish.")},
+                      "app.ini does not parse as a strict INI file. Fix it so it matches the "
+                      "settings README.md lists, run `check`, then finish.")
 
 
 def ini_wrong_value(rng: random.Random) -> TaskDraft:
@@ -242,8 +310,9 @@ def csv_bad_delimiter(rng: random.Random) -> TaskDraft:
 
 FAMILY = TemplateFamily(
     family_id=FAMILY_ID,
-    builders={"ini-wrong-value": ini_wrong_value, "duplicate-line": duplicate_line,
-              "csv-missing-header": csv_missing_header, "csv-bad-delimiter": csv_bad_delimiter},
-    heldout_templates=("csv-bad-delimiter",),
+    builders={"ini-wrong-value": ini_wrong_value, "csv-missing-header": csv_missing_header,
+              "ini-missing-key": ini_missing_key, "ini-duplicate-key": ini_duplicate_key,
+              "duplicate-line": duplicate_line, "csv-bad-delimiter": csv_bad_delimiter},
+    heldout_templates=("duplicate-line", "csv-bad-delimiter"),
     description="Fix one defect in a plain config, list or CSV file.",
 )

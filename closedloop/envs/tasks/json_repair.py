@@ -1,11 +1,13 @@
 """``json-repair-v1``: a small JSON config file is broken; repair it.
 
-Base templates (the last one is held out), each at the three hint levels of ``base``:
+Base templates (the last two are held out), each at the three hint levels of ``base``:
 
 - ``trailing-comma``: a comma after the last member; the file does not parse.
 - ``wrong-type``: an integer value is stored as a string.
 - ``missing-key``: a required key is absent; ``README.md`` documents its value.
+- ``unquoted-key``: a key lost its quotes; the file does not parse.
 - ``missing-quote``: a string value lost its closing quote; the file does not parse.
+- ``bool-as-string``: a boolean value is stored as the string ``"true"`` / ``"false"``.
 
 Every gold edit is one single-line ``replace`` (``exact`` quotes its old and new text).
 
@@ -184,10 +186,46 @@ def missing_quote(rng: random.Random) -> TaskDraft:
     return _draft(path, expected, broken, objectives, edit)
 
 
+def unquoted_key(rng: random.Random) -> TaskDraft:
+    """A key lost its double quotes."""
+    path = rng.choice(_FILES)
+    expected = _config(rng, ())
+    key = rng.choice(list(expected))
+    good = _member(key, expected[key])
+    bad = f"{key}: {json.dumps(expected[key])}"
+    broken = _render(expected).replace(good, bad)
+    objectives = (
+        _exact(path, bad, good, "quote the key"),
+        f"{path} does not parse because the key `{key}` is not in double quotes. Quote it "
+        "without changing its value, run `check`, then finish.",
+        f"{path} fails to parse as JSON. Make it valid JSON with every key and value unchanged, "
+        "run `check`, then finish.")
+    return _draft(path, expected, broken, objectives, Action.tool("replace", path=path, old=bad,
+                                                                  new=good))
+
+
+def bool_as_string(rng: random.Random) -> TaskDraft:
+    """A boolean value stored as a string."""
+    path = rng.choice(_FILES)
+    expected = _config(rng, (("debug",),))
+    good = _member("debug", expected["debug"])
+    bad = f'"debug": "{json.dumps(expected["debug"])}"'
+    broken = _render(expected).replace(good, bad)
+    objectives = (
+        _exact(path, bad, good, "a boolean, not a string"),
+        f"In {path}, `debug` must be a boolean but is stored as a string. Change its type "
+        "without changing its value or any other key, run `check`, then finish.",
+        f"`check` reports a type error in {path}. Fix {path} so `check` passes without changing "
+        "any value, then finish.")
+    return _draft(path, expected, broken, objectives, Action.tool("replace", path=path, old=bad,
+                                                                  new=good))
+
+
 FAMILY = TemplateFamily(
     family_id=FAMILY_ID,
     builders={"trailing-comma": trailing_comma, "wrong-type": wrong_type,
-              "missing-key": missing_key, "missing-quote": missing_quote},
-    heldout_templates=("missing-quote",),
+              "missing-key": missing_key, "unquoted-key": unquoted_key,
+              "missing-quote": missing_quote, "bool-as-string": bool_as_string},
+    heldout_templates=("missing-quote", "bool-as-string"),
     description="Repair a small JSON config file.",
 )

@@ -5,12 +5,15 @@
 ``additionalProperties: false``. ``records.json`` holds three records, one per line; exactly one
 record breaks the schema.
 
-Templates (the last one is held out):
+Templates (the last two are held out):
 
 - ``wrong-type``: an integer field is stored as a string.
 - ``missing-field``: a required field is absent; ``README.md`` (protected) gives its value.
 - ``extra-field``: a record carries a field the schema does not allow.
+- ``misspelled-key``: a record's field name is misspelt (two letters swapped), so a required
+  field is missing and an unknown one is present.
 - ``enum-value``: an enum field holds a misspelling of an allowed value.
+- ``float-for-int``: an integer field holds a float with a zero fraction (``12.0``).
 
 Every template is posed at the three hint levels of ``base``; every gold edit is one
 single-line ``replace`` (``exact`` quotes it).
@@ -101,8 +104,7 @@ def _render_schema(schema: dict[str, Any]) -> str:
             '  "additionalProperties": false\n}\n')
 
 
-_SYMPTOM = ("records.json does not validate against schema.json. Fix records.json without "
-            "changing schema.json or any value that should stay, run `check`, then finish.")
+_SYMPTOM = ("`check` fails on records.json. Fix the records, not schema.json, then finish.")
 
 
 def _draft(schema: dict[str, Any], expected: list[dict[str, Any]], broken: str, located: str,
@@ -164,8 +166,8 @@ def missing_field(rng: random.Random) -> TaskDraft:
     readme = (f"# records.json\n\nThe record with id {rec['id']} ({rec['name']}) has "
               f"{enum_key} \"{rec[enum_key]}\".\n")
     return _draft(schema, records, broken, located, edit, "add the missing field", readme,
-                  symptom=_SYMPTOM.replace("Fix records.json", "Fix records.json (README.md "
-                                           "documents its records)"))
+                  symptom=_SYMPTOM.replace("Fix the records", "Fix the records (README.md "
+                                           "documents them)"))
 
 
 def extra_field(rng: random.Random) -> TaskDraft:
@@ -200,10 +202,43 @@ def enum_value(rng: random.Random) -> TaskDraft:
     return _draft(schema, records, broken, located, edit, "the allowed value it misspells")
 
 
+def misspelled_key(rng: random.Random) -> TaskDraft:
+    """A field name has two adjacent letters swapped (``nmae`` for ``name``)."""
+    schema, enum_key, int_key, _, records, k = _setup(rng)
+    rec = records[k]
+    key = rng.choice(["name", int_key, enum_key])
+    cut = rng.randrange(len(key) - 1)
+    while key[cut] == key[cut + 1]:
+        cut = (cut + 1) % (len(key) - 1)
+    typo = key[:cut] + key[cut + 1] + key[cut] + key[cut + 2:]
+    good = f'"{key}": {json.dumps(rec[key])}'
+    bad = f'"{typo}": {json.dumps(rec[key])}'
+    line = json.dumps(rec)
+    broken = _render(records).replace(line, line.replace(good, bad))
+    located = (f"the record with id {rec['id']} has the field `{typo}`, a misspelling of the "
+               f"schema's `{key}`")
+    edit = Action.tool("replace", path="records.json", old=bad, new=good)
+    return _draft(schema, records, broken, located, edit, "the field name schema.json uses")
+
+
+def float_for_int(rng: random.Random) -> TaskDraft:
+    """An integer field holds a float with a zero fraction."""
+    schema, _, int_key, _, records, k = _setup(rng)
+    rec = records[k]
+    good, bad = f'"{int_key}": {rec[int_key]}', f'"{int_key}": {rec[int_key]}.0'
+    line = json.dumps(rec)
+    broken = _render(records).replace(line, line.replace(good, bad))
+    located = (f"the record with id {rec['id']} stores `{int_key}` as a float, not the integer "
+               "schema.json requires")
+    edit = Action.tool("replace", path="records.json", old=bad, new=good)
+    return _draft(schema, records, broken, located, edit, "an integer, not a float")
+
+
 FAMILY = TemplateFamily(
     family_id=FAMILY_ID,
     builders={"wrong-type": wrong_type, "missing-field": missing_field,
-              "extra-field": extra_field, "enum-value": enum_value},
-    heldout_templates=("enum-value",),
+              "extra-field": extra_field, "misspelled-key": misspelled_key,
+              "enum-value": enum_value, "float-for-int": float_for_int},
+    heldout_templates=("enum-value", "float-for-int"),
     description="Make a JSON records file satisfy a JSON-schema-like spec.",
 )

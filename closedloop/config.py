@@ -1,8 +1,10 @@
-"""One validated run config (design.md §2). The seed's smoke YAML (seed 000 §7) is valid input as
-written, with ``model:`` pointing at the embedded model or a local folder.
+"""One validated run config. The seed's smoke YAML (seed 000 §7) is valid input as written, with
+``model:`` pointing at the embedded model or a local folder.
 
 Every section is a frozen dataclass; loading is strict: an unknown or misspelled key, a wrong
-type or a value outside its allowed set raises ``ConfigError`` naming the dotted key. The sections
+type, a value outside its allowed set, or a value the run does not implement (the seed's keys
+that state what the run does, ``_HONOURED_ONLY``) raises ``ConfigError`` naming the dotted key.
+The README's config reference lists every key, its default and what it does. The sections
 after ``evaluation`` are closedloop's own (training budget, SFT warm start, run directory) and
 all have defaults, so the seed's YAML needs none of them.
 """
@@ -171,8 +173,8 @@ class TrainingSection:
     dtype: Literal["float32"] = "float32"
     # Matmul precision of sampling and training (closedloop.policy.precision). On AMX CPUs
     # bfloat16 decodes ~1.4x and updates ~1.8x faster, but the generator/trainer log-prob gap
-    # grows from ~1e-5 to ~1e-1: raise consistency.max_abs_tolerance to what you accept, or
-    # the audit gate stops the run.
+    # grows from ~1e-5 to ~1e-1: the audit bounds it by the bf16 same-engine baseline
+    # (consistency.tolerance_source), or by max_abs_tolerance with the 'fixed' source.
     precision: Literal["float32", "bfloat16"] = "float32"
 
 

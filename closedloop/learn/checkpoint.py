@@ -337,10 +337,12 @@ def load_latest(directory: str | Path) -> Checkpoint | None:
 
 
 # ----------------------------------------------------------------------------- RNG
-def capture_rng_states() -> dict[str, Any]:
-    """Return the Python, NumPy and torch CPU RNG states in a ``weights_only``-loadable form."""
+def capture_rng_states(generators: Mapping[str, torch.Generator] | None = None
+                       ) -> dict[str, Any]:
+    """Return the Python, NumPy, torch CPU (and CUDA, where present) RNG states and those of
+    the named ``generators`` (e.g. the policy's sampler), in a ``weights_only``-loadable form."""
     kind, keys, pos, has_gauss, cached = np.random.get_state()
-    return {
+    states: dict[str, Any] = {
         "python": random.getstate(),
         "numpy": {
             "kind": kind,
@@ -350,11 +352,19 @@ def capture_rng_states() -> dict[str, Any]:
             "cached": float(cached),
         },
         "torch": torch.get_rng_state(),
+        "generators": {name: g.get_state() for name, g in (generators or {}).items()},
     }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["torch_cuda"] = torch.cuda.get_rng_state_all()
+    return states
 
 
-def restore_rng_states(states: Mapping[str, Any]) -> None:
-    """Restore RNG states captured by :func:`capture_rng_states`."""
+def restore_rng_states(states: Mapping[str, Any],
+                       generators: Mapping[str, torch.Generator] | None = None) -> None:
+    """Restore RNG states captured by :func:`capture_rng_states`, ``generators`` included.
+
+    ``CheckpointError`` when a generator asked for has no saved state.
+    """
     version, internal, gauss = states["python"]
     random.setstate((version, tuple(internal), gauss))
     n = states["numpy"]
@@ -362,3 +372,10 @@ def restore_rng_states(states: Mapping[str, Any]) -> None:
         (n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"])
     )
     torch.set_rng_state(states["torch"])
+    if "torch_cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["torch_cuda"])
+    saved = states.get("generators", {})
+    for name, g in (generators or {}).items():
+        if name not in saved:
+            raise CheckpointError(f"the checkpoint holds no state of the {name!r} generator")
+        g.set_state(saved[name])

@@ -52,11 +52,19 @@ from typing import Any, Literal
 from closedloop.contracts.errors import ClosedloopError
 from closedloop.contracts.hashing import canonical_json, content_hash
 from closedloop.contracts.records import GroupLease, TrajectoryRecord
+from closedloop.rollout.ledger_check import (
+    LedgerDigest,
+    compute_digest,
+    digest_problems,
+    integrity_problems,
+    row_problems,
+)
 
 __all__ = [
     "GROUP_STATES", "SCHEMA_VERSION", "DuplicateConsumptionError", "DuplicateGroupError",
     "ExactlyOnceReport", "GroupRow", "GroupState", "GroupSummary", "IllegalTransitionError",
-    "Ledger", "LedgerCounts", "LedgerError", "LedgerEvent", "LedgerInconsistencyError",
+    "Ledger", "LedgerCorruptError", "LedgerCounts", "LedgerError", "LedgerEvent",
+    "LedgerInconsistencyError",
     "LedgerSchemaError", "ReconcileReport", "UnknownGroupError",
 ]
 
@@ -92,6 +100,12 @@ CREATE INDEX IF NOT EXISTS events_group ON events (group_id);
 # ----------------------------------------------------------------------------- errors
 class LedgerError(ClosedloopError):
     """Base class of every ledger error."""
+
+
+class LedgerCorruptError(LedgerError):
+    """The ledger file is damaged or was edited: SQLite cannot read it, its integrity check
+    fails, a row disagrees with its events, or committed rows no longer match a checkpoint's
+    digest. The message names the file and what was found."""
 
 
 class LedgerSchemaError(LedgerError):
@@ -298,12 +312,15 @@ class Ledger:
     def __init__(self, path: str | Path, *, busy_timeout_s: float = 30.0) -> None:
         self.path = Path(path)
         self._lock = threading.RLock()
-        self._conn = sqlite3.connect(str(self.path), timeout=busy_timeout_s,
-                                     isolation_level=None, check_same_thread=False)
-        self._conn.row_factory = sqlite3.Row
-        self._conn.execute("PRAGMA journal_mode=WAL")
-        self._conn.execute("PRAGMA synchronous=FULL")
-        self._init_schema()
+        try:
+            self._conn = sqlite3.connect(str(self.path), timeout=busy_timeout_s,
+                                         isolation_level=None, check_same_thread=False)
+            self._conn.row_factory = sqlite3.Row
+            self._conn.execute("PRAGMA journal_mode=WAL")
+            self._conn.execute("PRAGMA synchronous=FULL")
+            self._init_schema()
+        except sqlite3.DatabaseError as exc:
+            raise LedgerCorruptError(f"{self.path}: SQLite cannot open it ({exc})") from None
 
     def _init_schema(self) -> None:
         with self._tx() as cur:
@@ -334,13 +351,40 @@ class Ledger:
         """One write transaction: ``BEGIN IMMEDIATE`` ... ``COMMIT``, rolled back on error."""
         with self._lock:
             cur = self._conn.cursor()
-            cur.execute("BEGIN IMMEDIATE")
             try:
-                yield cur
-            except BaseException:
-                cur.execute("ROLLBACK")
+                cur.execute("BEGIN IMMEDIATE")
+                try:
+                    yield cur
+                except BaseException:
+                    cur.execute("ROLLBACK")
+                    raise
+                cur.execute("COMMIT")
+            except sqlite3.IntegrityError:
                 raise
-            cur.execute("COMMIT")
+            except sqlite3.DatabaseError as exc:
+                raise LedgerCorruptError(f"{self.path}: {exc}") from None
+
+    # ------------------------------------------------------------------ integrity
+    def digest(self) -> LedgerDigest:
+        """A digest of every committed row (see ``closedloop.rollout.ledger_check``)."""
+        with self._lock:
+            return compute_digest(self._conn)
+
+    def verify(self, digest: LedgerDigest | None = None) -> None:
+        """Run SQLite's integrity check and the row checks, and compare the rows committed up
+        to ``digest`` with it; ``LedgerCorruptError`` naming the file and the first problems.
+        """
+        try:
+            with self._lock:
+                problems = integrity_problems(self._conn)
+                if not problems:
+                    problems = row_problems(self._conn)
+                if not problems and digest is not None:
+                    problems = digest_problems(self._conn, digest)
+        except sqlite3.DatabaseError as exc:
+            problems = [str(exc)]
+        if problems:
+            raise LedgerCorruptError(f"{self.path}: " + "; ".join(problems[:5]))
 
     # ------------------------------------------------------------------ transitions
     def record_collected(self, lease: GroupLease, summary: GroupSummary) -> None:

@@ -78,6 +78,20 @@ def test_round_trip_with_real_optimizer_and_rng(tmp_path: Path) -> None:
     assert (tmp_path / "LATEST").read_text().count("step-000007") == 1
 
 
+def test_named_generators_round_trip_with_the_global_rngs(tmp_path: Path) -> None:
+    sampler = torch.Generator().manual_seed(5)
+    torch.rand(3, generator=sampler)
+    _save(tmp_path, 1, rng_states=capture_rng_states({"sampler": sampler}))
+    ck = load_latest(tmp_path)
+    assert ck is not None
+    expected = (torch.rand(2, generator=sampler).tolist(), float(np.random.rand()))
+    other = torch.Generator().manual_seed(99)
+    restore_rng_states(ck.rng_states, {"sampler": other})
+    assert (torch.rand(2, generator=other).tolist(), float(np.random.rand())) == expected
+    with pytest.raises(CheckpointError, match="'missing' generator"):
+        restore_rng_states(ck.rng_states, {"missing": torch.Generator()})
+
+
 def test_keep_last_and_refusals(tmp_path: Path) -> None:
     for step in range(1, 6):
         _save(tmp_path, step, keep_last=2)

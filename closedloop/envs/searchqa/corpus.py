@@ -70,6 +70,12 @@ def passages() -> tuple[Passage, ...]:
 
 
 @cache
+def passage_by_id() -> dict[str, Passage]:
+    """Passage id -> passage."""
+    return {p.passage_id: p for p in passages()}
+
+
+@cache
 def world() -> dict[str, Any]:
     """The shipped facts (``world.json``)."""
     value: dict[str, Any] = json.loads(_read("world.json"))

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from closedloop.contracts import Action, Termination
-from closedloop.envs.searchqa.corpus import Bm25Retriever, retriever
+from closedloop.envs.searchqa.corpus import Bm25Retriever, passage_by_id, retriever
 from closedloop.envs.searchqa.tasks import CATALOG
 from closedloop.envs.sim.catalog import TaskCatalog
 from closedloop.envs.sim.env import Opening, Outcome, error_outcome
@@ -74,5 +74,5 @@ class SearchQARules:
         new["searches"] = [*world["searches"], {"query": value, "results": ids}]
         if not ids:
             return Outcome("No passages match.", world=new)
-        by_id = {p.passage_id: p for p in retriever().corpus}
+        by_id = passage_by_id()
         return Outcome("\n".join(by_id[i].render() for i in ids), world=new)

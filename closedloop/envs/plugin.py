@@ -266,7 +266,11 @@ def _as_package(obj: Any, where: str) -> EnvPackage:
     if isinstance(obj, EnvPackage):
         return obj
     if callable(obj):
-        made = obj()
+        try:
+            made = obj()
+        except Exception as exc:  # a user factory's own error, named
+            raise EnvPackageError(f"{where}: calling it raised {type(exc).__name__}: "
+                                  f"{exc}") from exc
         if isinstance(made, EnvPackage):
             return made
         raise EnvPackageError(f"{where} returned {type(made).__name__}, not an EnvPackage")

@@ -14,6 +14,10 @@ dispatches on ``checks["kind"]``:
   ``expected``.
 - ``csv_equal``: the ``csv.reader`` rows of ``path`` (trailing empty rows dropped) equal
   ``expected``.
+- ``env_equal``: ``path`` parses as a strict env file (``parse_env_strict``: every line that is
+  not blank or a ``#`` comment is ``KEY=value`` with an upper-case key, an unquoted value without
+  whitespace, no ``export``, no spaces around ``=``, no key twice) and its mapping equals
+  ``expected``.
 - ``program_output``: ``path`` is run in a fresh sandbox (the environment's) on each case's
   input (written as ``input_name``); stripped stdout must equal the case's ``expected``.
 
@@ -27,6 +31,7 @@ import configparser
 import csv
 import io
 import json
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -193,6 +198,44 @@ def grade_csv_equal(checks: Mapping[str, Any], files: Mapping[str, str]) -> Grad
     return GradeResult(True, "ok")
 
 
+_ENV_LINE = re.compile(r"([A-Z][A-Z0-9_]*)=([^\s\"']*)")
+
+
+def parse_env_strict(text: str) -> dict[str, str]:
+    """Parse a strict env file into KEY -> value; ``ValueError`` naming the first bad line.
+
+    Lines are split on ``\n`` and right-stripped; blank lines and lines starting with ``#`` are
+    skipped; every other line must fully match ``KEY=value`` (``KEY`` = ``[A-Z][A-Z0-9_]*``,
+    ``value`` without whitespace or quotes) and no key may occur twice.
+    """
+    out: dict[str, str] = {}
+    for n, raw in enumerate(text.split("\n"), 1):
+        line = raw.rstrip()
+        if not line or line.startswith("#"):
+            continue
+        m = _ENV_LINE.fullmatch(line)
+        if m is None:
+            raise ValueError(f"line {n} is not KEY=value")
+        if m[1] in out:
+            raise ValueError(f"line {n} sets {m[1]} a second time")
+        out[m[1]] = m[2]
+    return out
+
+
+def grade_env_equal(checks: Mapping[str, Any], files: Mapping[str, str]) -> GradeResult:
+    """The env file parses strictly and its variables equal the expected mapping."""
+    text = _read(files, checks["path"])
+    if text is None:
+        return GradeResult(False, f"{checks['path']} is missing")
+    try:
+        got = parse_env_strict(text)
+    except ValueError as exc:
+        return GradeResult(False, f"env file does not parse: {exc}")
+    if got != dict(checks["expected"]):
+        return GradeResult(False, "variables differ from the expected values")
+    return GradeResult(True, "ok")
+
+
 def run_program(source: str, input_name: str, input_text: str, timeout_s: float) -> str | None:
     """Run ``source`` as ``prog.py`` on one input in a fresh sandbox; return stdout or ``None``.
 
@@ -229,6 +272,7 @@ GRADERS: Mapping[str, Callable[[Mapping[str, Any], Mapping[str, str]], GradeResu
     "ini_equal": grade_ini_equal,
     "lines_equal": grade_lines_equal,
     "csv_equal": grade_csv_equal,
+    "env_equal": grade_env_equal,
     "program_output": grade_program_output,
 }
 

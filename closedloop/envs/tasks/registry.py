@@ -20,7 +20,14 @@ from functools import lru_cache
 from types import MappingProxyType
 
 from closedloop.envs.task import HiddenGrader, Split, TaskBundle, TaskSpec
-from closedloop.envs.tasks import cli_repair, file_repair, json_repair, retain, schema_repair
+from closedloop.envs.tasks import (
+    cli_repair,
+    env_repair,
+    file_repair,
+    json_repair,
+    retain,
+    schema_repair,
+)
 from closedloop.envs.tasks.base import TaskFamily, UnknownTaskError, build_bundle
 
 FAMILIES: Mapping[str, TaskFamily] = MappingProxyType({
@@ -28,15 +35,24 @@ FAMILIES: Mapping[str, TaskFamily] = MappingProxyType({
                              cli_repair.FAMILY)
 })
 FAMILY_IDS: tuple[str, ...] = tuple(FAMILIES)
+"""The training families: ``build_task_sets`` draws train and template-disjoint held-out tasks
+from these only."""
+HELDOUT_FAMILIES: Mapping[str, TaskFamily] = MappingProxyType({
+    f.family_id: f for f in (env_repair.FAMILY,)
+})
+"""Family-disjoint held-out families (``environment_family_disjoint``): resolvable by
+``get_bundle``, never in ``FAMILIES``, so never trained on; see
+``split.build_family_disjoint_set``."""
 _ID_RE = re.compile(r"^(?P<family>[a-z0-9-]+)/(?P<template>[a-z0-9.-]+)/(?P<index>\d{3,})-"
                     r"(?P<digest>[0-9a-f]{8})$")
 
 
 def get_family(family_id: str) -> TaskFamily:
-    """Return the family with this versioned id; ``UnknownTaskError`` otherwise."""
-    family = FAMILIES.get(family_id)
+    """Return the training or held-out family with this id; ``UnknownTaskError`` otherwise."""
+    family = FAMILIES.get(family_id) or HELDOUT_FAMILIES.get(family_id)
     if family is None:
-        raise UnknownTaskError(f"unknown task family {family_id!r}; known: {list(FAMILIES)}")
+        raise UnknownTaskError(f"unknown task family {family_id!r}; known: "
+                               f"{[*FAMILIES, *HELDOUT_FAMILIES]}")
     return family
 
 
@@ -44,8 +60,8 @@ def get_family(family_id: str) -> TaskFamily:
 def generate_task(family: str, template: str, index: int) -> TaskBundle:
     """Generate task ``index`` of ``family``/``template`` (deterministic, memoized).
 
-    Retain families (``retain.RETAIN_FAMILIES``) resolve here too, but are not in ``FAMILIES``:
-    they never enter the train/held-out sets.
+    Retain families (``retain.RETAIN_FAMILIES``) and the family-disjoint ``HELDOUT_FAMILIES``
+    resolve here too, but are not in ``FAMILIES``: they never enter ``build_task_sets``.
     """
     if family in retain.RETAIN_FAMILIES:
         return retain.build_retain_bundle(family, template, index)

@@ -40,7 +40,7 @@ from closedloop.envs.tasks.base import (
     leveled_name,
     template_parts,
 )
-from closedloop.envs.tasks.registry import FAMILIES
+from closedloop.envs.tasks.registry import FAMILIES, HELDOUT_FAMILIES
 
 SolvabilityFilter = Callable[[TaskBundle], str | None]
 """Return ``None`` if the task is solvable and well-posed, else the reason to discard it."""
@@ -199,6 +199,25 @@ def build_task_sets(train_tasks: int = 48, heldout_tasks: int = 16, seed: int = 
             discarded.extend(dropped)
     return TaskSets(train=tuple(out["train"]), heldout=tuple(out["heldout"]),
                     discarded=tuple(discarded), seed=seed, requested=(train_tasks, heldout_tasks))
+
+
+def build_family_disjoint_set(n: int, seed: int = 0, levels: Sequence[str] = HINT_LEVELS, *,
+                              solvability: SolvabilityFilter | None = None,
+                              max_attempts_factor: int = 2) -> tuple[TaskBundle, ...]:
+    """``n`` held-out tasks from ``HELDOUT_FAMILIES`` (families absent from training).
+
+    Balanced over those families, then their base templates, then ``levels``, exactly as
+    ``build_task_sets`` balances its held-out split; every task passes the solvability filter
+    (default ``closedloop.verify.check_solvable``) and has split ``heldout``. A template that
+    cannot fill its quota leaves the suite short (fewer than ``n`` tasks).
+    """
+    solvable = _default_filter(solvability)
+    out: list[TaskBundle] = []
+    for family, template, quota in template_quotas(list(HELDOUT_FAMILIES.values()), "heldout", n,
+                                                   levels):
+        kept, _ = _fill(family, template, quota, "heldout", seed, solvable, max_attempts_factor)
+        out.extend(kept)
+    return tuple(out)
 
 
 @lru_cache(maxsize=1)

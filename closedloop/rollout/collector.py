@@ -45,6 +45,7 @@ from closedloop.contracts import (
 from closedloop.contracts.records import ActionKindOrInvalid
 from closedloop.envs.protocol import AgentEnv
 from closedloop.rollout.source import ActionSample, ActionSource, ContextBudgetExceeded
+from closedloop.verify.protocol import TaskVerifier
 
 INFRA_FAILURES: tuple[type[Exception], ...] = (InfrastructureError, TimeoutError)
 """The exceptions the collector records as ``infra_abort``; every other one propagates."""
@@ -67,17 +68,8 @@ class Renderer(Protocol):
         ...
 
 
-class Scorer(Protocol):
-    """The verifier's clean-room entry point."""
-
-    @property
-    def verifier_version(self) -> str:
-        """The verifier's version string."""
-        ...
-
-    def score_or_quarantine(self, task_id: str, final_state: bytes) -> Any:
-        """Return an object with ``reward`` (dict or None) and ``quarantine_reason``."""
-        ...
+Scorer = TaskVerifier
+"""The verifier's clean-room entry point: the published protocol of ``closedloop.verify``."""
 
 
 @dataclass(frozen=True)

@@ -114,6 +114,16 @@ def test_frozenlake_package_passes_check_env_with_fork_checks():
     assert report.fork_checks == 6 and report.missing == ()
 
 
+def test_frozenlake_verifier_agrees_with_its_fixtures_within_the_gate_bounds():
+    from closedloop.verify.audit import audit_verifier
+
+    package = frozenlake_package()
+    audit = audit_verifier(package.fixtures(None), package.verifier())
+    assert (audit.fp, audit.fn, audit.tamper_missed, audit.false_quarantine) == (0, 0, 0, 0)
+    assert audit.n_positive == 36 and audit.n_negative >= 36 and audit.n_tamper == 18
+    assert audit.fp_ci[1] <= 0.1 and audit.fn_ci[1] <= 0.15
+
+
 def _slippery(codec=TOY_TEXT_CODEC) -> GymRules:
     desc = ["SFFF", "FHFH", "FFFH", "HFFG"]
     tasks = task_lookup({"lake/slip": lake_task(desc, True, 40), "lake/ice": lake_task(desc,

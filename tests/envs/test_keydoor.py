@@ -143,10 +143,11 @@ def test_inspect_shows_the_clue_and_durations_fill_the_tight_budget():
 
 def test_verifier_agrees_with_every_adjudicated_fixture():
     fixtures = PKG.fixtures(None)
-    assert len(fixtures) == 6 * 6
+    assert len(fixtures) == 18 * 6
     audit = audit_verifier(fixtures, PKG.verifier())
     assert (audit.fp, audit.fn, audit.tamper_missed) == (0, 0, 0)
-    assert audit.n_tamper == 6
+    assert (audit.n_positive, audit.n_negative, audit.n_tamper) == (36, 54, 18)
+    assert audit.fp_ci[1] <= 0.1 and audit.fn_ci[1] <= 0.15  # the gate's bounds
 
 
 @pytest.mark.parametrize("edit", [b"", b"{}", b"not json"])

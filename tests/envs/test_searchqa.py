@@ -121,8 +121,9 @@ def test_normalize_is_idempotent(text):
 
 def test_verifier_agrees_with_every_adjudicated_fixture():
     fixtures = PKG.fixtures(None)
-    assert len(fixtures) == 8 * 7
+    assert len(fixtures) == 16 * 7
     audit = audit_verifier(fixtures, PKG.verifier())
     assert (audit.fp, audit.fn, audit.tamper_missed, audit.false_quarantine) == (0, 0, 0, 0)
+    assert audit.fp_ci[1] <= 0.1 and audit.fn_ci[1] <= 0.15  # the gate's bounds
     kinds = {f.kind for f in fixtures if not f.label and not f.expect_quarantine}
     assert {"near_miss", "hedged", "wrong_fix", "initial"} <= kinds

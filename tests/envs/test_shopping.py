@@ -117,9 +117,10 @@ def test_surcharge_decoys_fail_only_on_price():
 
 def test_verifier_agrees_with_every_adjudicated_fixture():
     fixtures = PKG.fixtures(None)
-    assert len(fixtures) == 6 * 6
+    assert len(fixtures) == 18 * 6
     audit = audit_verifier(fixtures, PKG.verifier())
     assert (audit.fp, audit.fn, audit.tamper_missed, audit.false_quarantine) == (0, 0, 0, 0)
+    assert audit.fp_ci[1] <= 0.1 and audit.fn_ci[1] <= 0.15  # the gate's bounds
 
 
 @pytest.mark.parametrize("edit", ["catalog", "item"])

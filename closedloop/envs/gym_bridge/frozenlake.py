@@ -152,27 +152,35 @@ def fork_probe(task_id: str) -> Action:
 
 
 def fixtures(task_ids: tuple[str, ...] | None) -> list[Any]:
-    """The expert's walk on the deterministic maps (positive), a walk into a hole and a finish
-    at the start (negatives), and a return rewritten without reaching the goal (tamper)."""
+    """Per task: the expert's walk and a walk that first bumps into the west wall (positives);
+    a finish at the start, a walk into a hole where one lies on a straight path, and moves
+    against the wall until the budget runs out (negatives); a return rewritten without reaching
+    the goal (tamper). Default: six tasks per template (36 positives, >= 36 negatives)."""
     from closedloop.envs.scripted import play
     from closedloop.envs.sim.fixtures import played_fixture, tampered_fixture
 
-    ids = task_ids or tuple(CATALOG.generate(ENV_ID, t, 0).task_id for t in ("4x4", "5x5"))
+    ids = task_ids or tuple(CATALOG.generate(ENV_ID, t, i).task_id for t in TEMPLATES
+                            for i in range(6))
+    make = lambda: SimEnv(rules())  # noqa: E731
     out = []
     for task_id in ids:
         task = CATALOG.task(task_id)
-        expert = FrozenLakeExpert(task_id)
-        walk = play(SimEnv(rules()), _Adapter(expert), task_id).texts
-        gold = played_fixture(lambda: SimEnv(rules()), task, "gold", walk, True,
-                              "value iteration's walk to G")
-        out += [gold, played_fixture(lambda: SimEnv(rules()), task, "initial", [Action.finish()],
-                                     False, "finished at the start")]
+        walk = play(make(), _Adapter(FrozenLakeExpert(task_id)), task_id).texts
+        bump = play(make(), _Adapter(FrozenLakeExpert(task_id), first=Action.tool("left")),
+                    task_id).texts
+        gold = played_fixture(make, task, "gold", walk, True, "value iteration's walk to G")
+        out += [gold, played_fixture(make, task, "alt_correct", bump, True,
+                                     "a bump into the west wall, then the walk to G"),
+                played_fixture(make, task, "initial", [Action.finish()], False,
+                               "finished at the start"),
+                played_fixture(make, task, "near_miss", [Action.tool("left")] * task.budget,
+                               False, "stood against the wall until the budget ran out")]
         hole = _walk_to_hole(task)
         if hole is not None:
-            out.append(played_fixture(lambda: SimEnv(rules()), task, "wrong_fix", hole, False,
+            out.append(played_fixture(make, task, "wrong_fix", hole, False,
                                       "walked into a hole"))
         out.append(tampered_fixture(
-            played_fixture(lambda: SimEnv(rules()), task, "base", [Action.finish()], False, ""),
+            played_fixture(make, task, "base", [Action.finish()], False, ""),
             lambda w: {**w, "return": 1.0, "terminated": True},
             "a return of 1.0 written into a state still at the start"))
     return out
@@ -193,10 +201,16 @@ def _walk_to_hole(task: SimTask) -> list[Action] | None:
 
 
 class _Adapter:
-    def __init__(self, policy: FrozenLakeExpert) -> None:
+    """``play`` passes history; the expert reads observations (optionally one move first)."""
+
+    def __init__(self, policy: FrozenLakeExpert, first: Action | None = None) -> None:
         self.policy = policy
+        self.first = first
 
     def act(self, observation: str, history: Any = None) -> Action:
+        if self.first is not None:
+            first, self.first = self.first, None
+            return first
         return self.policy.act(observation)
 
 

@@ -6,8 +6,8 @@ included), the same with stray arguments, and unknown names; the fork probe is `
 (available in every phase before a door is open). Scripted: ``expert`` and ``noisy``
 (``closedloop.envs.keydoor.expert``). Fixtures per task: the expert's episode (positive), a
 swap-then-correct episode (positive), the wrong door, finishing without a door, the right door
-then ``abstain`` (negatives), and an edited clue (tamper); by default on the first task of each
-target colour of each template.
+then ``abstain`` (negatives), and an edited clue (tamper); by default on the first three tasks
+of each target colour of each template.
 """
 
 from __future__ import annotations
@@ -79,14 +79,18 @@ class _Adapter:
         return self.policy.act(observation)
 
 
+FIXTURES_PER_COLOUR = 3
+
+
 def default_fixture_tasks() -> tuple[str, ...]:
-    """For each template, its first task of each target colour."""
-    out = []
+    """For each template, its first ``FIXTURES_PER_COLOUR`` tasks of each target colour (18
+    tasks: 36 positives and 54 negatives, enough for the FP/FN gate's bounds at zero errors)."""
+    out: list[str] = []
     for template in ("standard", "tight", "prekeyed"):
+        tasks = [CATALOG.generate("keydoor-v1", template, i) for i in range(100)]
         for colour in ("red", "blue"):
-            out.append(next(t.task_id for i in range(100)
-                            if (t := CATALOG.generate("keydoor-v1", template, i)).hidden[
-                                "target"] == colour))
+            out += [t.task_id for t in tasks if t.hidden["target"] == colour][
+                :FIXTURES_PER_COLOUR]
     return tuple(out)
 
 

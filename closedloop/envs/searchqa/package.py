@@ -67,10 +67,12 @@ def fork_probe(task_id: str) -> Action:
 
 
 def fixtures(task_ids: tuple[str, ...] | None) -> list[Any]:
-    """Adjudicated fixtures (see the module docstring); default: one task per template."""
+    """Adjudicated fixtures (see the module docstring); default: two tasks per template (32
+    positives, 64 negatives: enough for the FP/FN gate's bounds at zero errors)."""
     from closedloop.envs.sim.fixtures import played_fixture, tampered_fixture
 
-    ids = task_ids or tuple(CATALOG.generate("searchqa-v1", t, 0).task_id for t in TEMPLATES)
+    ids = task_ids or tuple(CATALOG.generate("searchqa-v1", t, i).task_id
+                            for t in TEMPLATES for i in range(2))
     make = lambda: SimEnv(SearchQARules())  # noqa: E731
     out = []
     for task_id in ids:

@@ -95,10 +95,12 @@ def _buy(item: dict[str, Any], colour: str, size: str) -> list[Action]:
 
 
 def fixtures(task_ids: tuple[str, ...] | None) -> list[Any]:
-    """Adjudicated fixtures (see the module docstring); default: one task per template."""
+    """Adjudicated fixtures (see the module docstring); default: three tasks per template (36
+    positives, 54 negatives: enough for the FP/FN gate's bounds at zero errors)."""
     from closedloop.envs.sim.fixtures import played_fixture, tampered_fixture
 
-    ids = task_ids or tuple(CATALOG.generate("shopping-v1", t, 0).task_id for t in CATEGORIES)
+    ids = task_ids or tuple(CATALOG.generate("shopping-v1", t, i).task_id
+                            for t in CATEGORIES for i in range(3))
     make = lambda: SimEnv(ShoppingRules())  # noqa: E731
     out = []
     for task_id in ids:

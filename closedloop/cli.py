@@ -105,9 +105,9 @@ def cmd_play(args: argparse.Namespace) -> int:
 
 def _replay_package(args: argparse.Namespace) -> Any:
     """``--env``/``--env-factory``/``--config``; else the config of the run the trace is in;
-    else the registered package of the trace's env version; else the terminal tasks."""
+    else the registered package of the trace's env version (``EnvPackageError`` if none)."""
     from closedloop.contracts import read_trace
-    from closedloop.envs.plugin import package_for_version, resolve_section
+    from closedloop.envs.plugin import EnvPackageError, package_for_version, resolve_section
 
     if args.env or args.env_factory or args.config:
         return _package(args)
@@ -117,8 +117,13 @@ def _replay_package(args: argparse.Namespace) -> Any:
         return resolve_section(section)
     version = next((getattr(r, "env_version", None) for r in read_trace(args.trace)
                     if getattr(r, "env_version", None)), None)
-    found = package_for_version(version) if version else None
-    return found if found is not None else _package(args)
+    if version is None:
+        return _package(args)
+    found = package_for_version(version)
+    if found is None:
+        raise EnvPackageError(f"{args.trace}: env version {version!r} is not that of a "
+                              "registered environment package; pass --env or --env-factory")
+    return found
 
 
 def cmd_replay(args: argparse.Namespace) -> int:

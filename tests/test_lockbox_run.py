@@ -141,6 +141,12 @@ def test_replay_tasks_and_play_take_the_lockbox(trained: dict[str, Any], capsys:
     assert main(["replay", str(trace), "--json"]) == 0  # the env comes from the run's config
     replay = json.loads(capsys.readouterr().out)
     assert replay["env_id"] == ENV_ID and replay["reproduced"] == len(replay["episodes"]) > 0
+    loose = tmp_path / "loose.jsonl"  # outside its run: the env version is not registered
+    loose.write_bytes(trace.read_bytes())
+    assert main(["replay", str(loose)]) != 0
+    assert "pass --env or --env-factory" in capsys.readouterr().err
+    assert main(["replay", str(loose), "--env-factory", FACTORY]) == 0
+    capsys.readouterr()
     assert main(["tasks", "list", "--config", str(trained["config"]), "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert {r["family"] for r in rows} == {"lockbox-dials-v1", "lockbox-mirror-v1"}

@@ -12,7 +12,7 @@ import pytest
 
 from closedloop.contracts import Action, SnapshotRef
 from closedloop.envs import check_actions
-from closedloop.envs.check import check_env, check_package, find_probe
+from closedloop.envs.check import check_env, check_fork_isolation, check_package, find_probe
 from closedloop.envs.check_actions import CheckOptionError, garbage_text, random_actions
 from closedloop.envs.errors import (
     EnvCheckError,
@@ -20,6 +20,7 @@ from closedloop.envs.errors import (
     EnvVersionMismatchError,
     ForkIsolationError,
     InvalidActionEffectError,
+    ProbeNoEffectError,
     ReplayMismatchError,
     ResetNondeterminismError,
     RestoreMismatchError,
@@ -254,3 +255,19 @@ def test_garbage_never_parses_and_malformed_calls_break_real_arguments() -> None
     assert all(c.name == "set" or c.name.startswith("no_such_tool") for c in calls)
     assert all(c.canonical_json() != example["set"].canonical_json() for c in calls)
     assert any(set(c.args) == {"i"} or set(c.args) == {"v"} for c in calls)  # a key dropped
+
+
+class DialsOnlyHashLock(LockboxEnv):
+    """The state hash covers the dials only (inspect changes nothing it hashes)."""
+
+    def state_hash(self) -> str:
+        from closedloop.contracts import content_hash
+
+        return content_hash(self.state["dials"] if self.state else None)
+
+
+def test_a_probe_that_changes_nothing_is_named() -> None:
+    with pytest.raises(ProbeNoEffectError, match="did not change fork A's state"):
+        check_fork_isolation(DialsOnlyHashLock, TASKS[0], 0, [],
+                             Action.tool("inspect", i=0))
+    check_fork_isolation(DialsOnlyHashLock, TASKS[0], 0, [], Action.tool("set", i=1, v=9))

@@ -13,6 +13,9 @@ from typing import Any
 from closedloop.allocator import tune_allocator
 from closedloop.contracts import ClosedloopError
 
+OVERRIDE_HELP = ("resume a run directory with a config that differs from the one it "
+                 "recorded; REASON and the differing keys are kept in launches.jsonl")
+
 
 def _print(data: Any, as_json: bool, text: str) -> None:
     print(json.dumps(data, indent=2, sort_keys=True, default=str) if as_json else text)
@@ -221,7 +224,7 @@ def _run_experiment(cfg: Any, args: argparse.Namespace) -> int:
     if getattr(args, "seeds", None) is not None:
         return _run_replicates(cfg, exp_dir, args)
     t0 = time.perf_counter()
-    result = run_experiment(cfg, exp_dir)
+    result = run_experiment(cfg, exp_dir, getattr(args, "override_config", None))
     lines = ["", "== held-out success by arm (paired difference from frozen, 95% CI) =="]
     for name, arm in result["arms"].items():
         diff = arm.get("diff_vs_frozen")
@@ -234,10 +237,38 @@ def _run_experiment(cfg: Any, args: argparse.Namespace) -> int:
     lines += _suite_lines(result)
     report = _write_report(exp_dir)
     if report:
+        lines += _report_lines(report.with_suffix(".json"))
         lines.append(f"report: {report}")
     lines.append(f"wall time: {(time.perf_counter() - t0) / 60:.1f} min")
     _print({**result, "report": str(report) if report else None}, args.json, "\n".join(lines))
     return 0
+
+
+def _report_lines(report_json: Path) -> list[str]:
+    """The claim, the cold start by hint level, the learning curve and the zero-variance rate
+    observed against its prediction, from report.json."""
+    rep = json.loads(report_json.read_text(encoding="utf-8"))
+    lines = ["== cold start by hint level (successes/attempts, Wilson 95% CI) =="]
+    for r in rep["cold_start"]["by_level"]:
+        ci = r["ci"] or [None, None]
+        lines.append(f"{r['suite']:8} {r['level']:8} {r['successes']}/{r['scored']} = "
+                     f"{_fmt(r['rate'])} [{_fmt(ci[0])}, {_fmt(ci[1])}] over {r['tasks']} tasks")
+    lines.append("== held-out learning curve of the RL arm ==")
+    for p in rep["heldout_curve"]:
+        lines.append(f"{p['label']:10} after {p['step']} steps, {p['interactions']} interactions"
+                     f", {p['rl_wall_s']:.0f} s of RL: success {_fmt(p['success'])} "
+                     f"({p['successes']}/{p['scored']})")
+    zv = rep["zero_variance"]["overall"]
+    lines.append(f"zero-variance groups: observed {_fmt(zv['observed_rate'])} "
+                 f"({zv['zero_variance']}/{zv['scored_groups']}), predicted "
+                 f"{_fmt(zv['predicted_rate'])} (p^G + (1-p)^G)")
+    fam = (rep.get("family_disjoint") or {}).get("comparison") or {}
+    if fam.get("measured"):
+        lo, hi = fam["ci"]
+        lines.append(f"family-disjoint: {fam['what']} = {fam['estimate']:+.3f} "
+                     f"[{lo:+.3f}, {hi:+.3f}] over {fam['tasks']} tasks")
+    lines.append(f"claim: {rep['claim']['statement']}")
+    return lines
 
 
 def _suite_lines(result: dict[str, Any]) -> list[str]:
@@ -296,7 +327,7 @@ def _run_training(cfg: Any, args: argparse.Namespace) -> int:
     if getattr(args, "model", None):
         cfg = cfg.with_overrides(model=args.model)
     run_dir = Path(args.run_dir or Path(cfg.run_dir) / time.strftime("run-%Y%m%d-%H%M%S"))
-    summary = train(cfg, run_dir)
+    summary = train(cfg, run_dir, args.override_config)
     report = _write_report(run_dir)
     summary["report"] = str(report) if report else None
     text = "\n".join(f"{k}: {v}" for k, v in summary.items() if k != "seconds_by_step")
@@ -372,10 +403,12 @@ def build_parser() -> argparse.ArgumentParser:
     tr = sub.add_parser("train", help="run or resume training from a YAML config")
     tr.add_argument("config")
     tr.add_argument("--run-dir")
+    tr.add_argument("--override-config", metavar="REASON", help=OVERRIDE_HELP)
     tr.set_defaults(fn=cmd_train)
     ex = sub.add_parser("experiment", help="the four controls of a config, then the report")
     ex.add_argument("config")
     ex.add_argument("--run-dir")
+    ex.add_argument("--override-config", metavar="REASON", help=OVERRIDE_HELP)
     ex.add_argument("--seeds", type=int, metavar="N",
                     help="run N independent replicates (training.seed + 0..N-1), pooled")
     ex.set_defaults(fn=cmd_experiment)

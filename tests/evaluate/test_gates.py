@@ -478,13 +478,17 @@ def test_episode_sum_gate_reads_the_runs_objective_and_labels_other_reducers(
 
 
 def test_verifier_gate_fails_with_a_lenient_grader(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert clean_gates().gate("verifier_fp_fn").evidence["n_negative"] == 56
-    monkeypatch.setattr(graders, "loads_strict", json.loads)  # accepts duplicate keys
+    assert clean_gates().gate("verifier_fp_fn").passed is True
     json_tasks = tuple(t for t in default_fixture_task_ids() if t.startswith("json-repair"))
+    strict = gate(clean_run(), "verifier_fp_fn", fixture_task_ids=json_tasks)
+    assert strict.evidence["fp"] == 0  # (too few fixtures for the bound: not a pass on its own)
+    monkeypatch.setattr(graders, "loads_strict", json.loads)  # accepts duplicate keys
     g = gate(clean_run(), "verifier_fp_fn", fixture_task_ids=json_tasks)  # fast: no programs
-    assert g.passed is False and g.evidence["fp"] == 4 and g.evidence["n_negative"] == 16
+    # the duplicate-key negative fixtures are now accepted
+    assert g.passed is False and g.evidence["fp"] > 0
+    assert g.evidence["n_negative"] == strict.evidence["n_negative"]
     assert g.evidence["fp_ci"][1] > environment.FP_UPPER_BOUND
-    assert "FP 4/16" in g.detail
+    assert f"FP {g.evidence['fp']}/{g.evidence['n_negative']}" in g.detail
 
 
 # --------------------------------------------------------------------------- experiment

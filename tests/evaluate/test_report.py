@@ -22,6 +22,7 @@ from closedloop.evaluate import gates as gates_pkg
 from closedloop.evaluate.gates import Gate, GateReport
 from closedloop.evaluate.report import build_report, capability_claim, write_report
 from closedloop.evaluate.stats import wilson_interval
+from closedloop.verify import build_fixtures
 from tests.evaluate.synthetic_run import (
     clean_experiment,
     clean_gates,
@@ -69,9 +70,13 @@ def test_training_diagnostics(report: dict[str, Any]) -> None:
 
 def test_verifier_section_has_denominators_and_wilson_intervals(report: dict[str, Any]) -> None:
     v = report["verifier"]
-    assert (v["fp"], v["n_negative"], v["fn"], v["n_positive"]) == (0, 56, 0, 32)
-    assert tuple(v["fp_ci"]) == wilson_interval(0, 56)
-    assert tuple(v["fn_ci"]) == wilson_interval(0, 32)
+    fixtures = build_fixtures()  # the terminal tasks' default set (memoized)
+    n_pos = sum(f.label and not f.expect_quarantine for f in fixtures)
+    n_neg = sum(not f.label and not f.expect_quarantine for f in fixtures)
+    assert (n_neg, n_pos) == (84, 48)  # 24 fixture tasks (one per base template)
+    assert (v["fp"], v["n_negative"], v["fn"], v["n_positive"]) == (0, n_neg, 0, n_pos)
+    assert tuple(v["fp_ci"]) == wilson_interval(0, n_neg)
+    assert tuple(v["fn_ci"]) == wilson_interval(0, n_pos)
     assert v["status"] == "PASS"
 
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from closedloop.config import RunConfig
@@ -47,13 +48,13 @@ from closedloop.contracts import (
     load_episodes,
     sha256_hex,
 )
+from closedloop.contracts.metrics_log import MetricsLog
 from closedloop.envs.plugin import EnvPackageError, ScriptedPolicyLike
 from closedloop.evaluate.heldout import EvalSummary, summarize_eval
 from closedloop.evaluate.retain import summarize_suites
 from closedloop.learn.audit import AuditResult, audit_logprobs, audit_tolerances
 from closedloop.learn.checkpoint import (
     capture_rng_states,
-    load_latest,
     restore_rng_states,
     save_checkpoint,
 )
@@ -67,10 +68,18 @@ from closedloop.policy.registry import PolicyRegistry, RegistryError, version_in
 from closedloop.progress import Progress, log
 from closedloop.rollout.admission import AdmissionController, apply_decision
 from closedloop.rollout.collector import CollectedGroup
-from closedloop.rollout.ledger import GroupSummary, Ledger
+from closedloop.rollout.ledger import GroupSummary, Ledger, LedgerInconsistencyError
 from closedloop.rollout.source import ActionSource, GeneratorSource, ScriptedSource
 from closedloop.rollout.task_sampler import DifficultyBandSampler
 from closedloop.rollout.tensors import build_training_batch
+from closedloop.run_integrity import (
+    RunLock,
+    RunStateError,
+    check_config,
+    check_tasks,
+    prove_state,
+    require_complete,
+)
 from closedloop.runtime import (
     CollectorParts,
     build_manifest,
@@ -109,7 +118,9 @@ def adapter_state(model: Any) -> dict[str, torch.Tensor]:
 
 
 def _seed_all(seed: int) -> None:
+    """Seed the process-wide RNGs (Python, NumPy, torch); checkpoints capture all three."""
     random.seed(seed)
+    np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
 
 
@@ -134,19 +145,39 @@ def _versions() -> dict[str, str]:
 class TrainingRun:
     """The state of one run (see the module docstring)."""
 
-    def __init__(self, cfg: RunConfig, run_dir: str | Path) -> None:
+    def __init__(self, cfg: RunConfig, run_dir: str | Path,
+                 config_override: str | None = None) -> None:
+        """Lock the run directory and check its config against the recorded one
+        (``closedloop.run_integrity``; ``config_override`` is the declared reason for a change).
+        """
         self.cfg = cfg
         self.dir = Path(run_dir)
         for sub in ("traces", "checkpoints", "sft"):
             (self.dir / sub).mkdir(parents=True, exist_ok=True)
-        self._write_json("config.json", {"config": cfg.to_dict(), "config_hash": cfg.config_hash(),
-                                         "git_revision": _git_revision(),
-                                         "versions": _versions()})
+        self._lock = RunLock(self.dir)
+        try:
+            self._open(cfg, config_override)
+        except BaseException:
+            self._lock.release()
+            raise
+
+    def _open(self, cfg: RunConfig, config_override: str | None) -> None:
+        check_config(self.dir, cfg.to_dict(), {"config_hash": cfg.config_hash(),
+                                               "git_revision": _git_revision(),
+                                               "versions": _versions()}, config_override)
         self.run_id = f"{self.dir.name}"
         self.metrics_path = self.dir / "metrics.jsonl"
+        self.metrics = MetricsLog(self.metrics_path)
+        if self.metrics.repaired_tail:
+            log(f"{self.metrics_path}: cut off a last line a killed launch left unfinished")
         _seed_all(cfg.training.seed)
         self.package = run_package(cfg.environment)  # tasks, env, verifier, scaffold
+        tasks_json = self.dir / "tasks.json"
+        recorded_tasks = tasks_json.read_bytes() if tasks_json.is_file() else None
         self._build_tasks()
+        check_tasks(tasks_json, recorded_tasks, {"train": self.train_tasks,
+                                                 "heldout": self.heldout_tasks},
+                    config_override)
         self._load_policy()
         self.verifier = self.package.verifier()
         self.ledger = Ledger(self.dir / "ledger.sqlite")
@@ -169,10 +200,15 @@ class TrainingRun:
         os.replace(tmp, path)
 
     def log_metrics(self, kind: str, data: dict[str, Any]) -> None:
-        """Append one line to metrics.jsonl."""
+        """Store one record in metrics.jsonl, exactly once per key (``(kind, step, label)``,
+        ``closedloop.contracts.metrics_log``): a record without ``step`` or ``label`` is keyed
+        by the run's current step (one that names its source, ``seeded_from``, by that)."""
         line = {"kind": kind, "time": time.time(), **data}
-        with open(self.metrics_path, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(line, sort_keys=True, default=str) + "\n")
+        if "label" not in line and "seeded_from" in line:
+            line["label"] = str(line["seeded_from"])
+        if "step" not in line and "label" not in line:
+            line["step"] = self.step
+        self.metrics.put(line)
 
     def _build_tasks(self) -> None:
         request = task_set_request(self.cfg, self.package)
@@ -427,7 +463,8 @@ class TrainingRun:
         _, episodes = load_episodes(self.dir / "traces" / f"eval-{label}.jsonl")
         c = self.cfg.consistency
         bounds = audit_tolerances(c.tolerance_source, c.max_abs_tolerance, self.model, episodes,
-                                  pad_id=self.pad_id, sampler=manifest.sampler)
+                                  pad_id=self.pad_id, sampler=manifest.sampler,
+                                  precision=self.cfg.training.precision)
         tol = bounds.tolerance_max
         result = audit_logprobs(self.model, episodes, manifest.weight_checksum,
                                 tolerance_max=tol, tolerance_p95=bounds.tolerance_p95,
@@ -624,28 +661,39 @@ class TrainingRun:
         adapter = adapter_state(self.model)
         save_checkpoint(self.dir / "checkpoints", step, adapter,
                         self.trainer.optimizer.state_dict(), version, sorted(self.consumed),
-                        capture_rng_states(), {"sft_tokens": self.sft_tokens,
-                                               "task_sampler": self.sampler.to_dict()})
+                        capture_rng_states({"generator": self.generator.rng}),
+                        {"sft_tokens": self.sft_tokens, "task_sampler": self.sampler.to_dict(),
+                         "ledger_digest": self.ledger.digest().to_dict()})
 
     def resume(self) -> bool:
-        """Restore the latest checkpoint, if any, and reconcile the ledger with it."""
+        """Prove the run directory's state (``closedloop.run_integrity.prove_state``), restore
+        the checkpoint it names and reconcile the ledger with it. Without a checkpoint (a new
+        run) write the step-0 one (the fresh adapter, optimizer and RNG states) and return
+        False."""
         if self.trainer is None:
             raise RuntimeError("attach_rl_adapter() first")
-        ckpt = load_latest(self.dir / "checkpoints")
+        ckpt, _ = prove_state(self.dir, self.ledger, self.registry.versions(), self.metrics)
         if ckpt is None:
+            self._checkpoint(0, version_name(0))
             return False
         missing = self.model.load_state_dict(ckpt.model_state, strict=False)
         if missing.unexpected_keys:
             raise RuntimeError(f"checkpoint holds unknown tensors: {missing.unexpected_keys}")
         self.trainer.optimizer.load_state_dict(ckpt.optimizer_state)
-        restore_rng_states(ckpt.rng_states)
+        restore_rng_states(ckpt.rng_states, {"generator": self.generator.rng}
+                           if "generator" in ckpt.rng_states.get("generators", {}) else None)
         if "task_sampler" in ckpt.extra:
             self.sampler = DifficultyBandSampler.from_dict(ckpt.extra["task_sampler"])
         self.step = ckpt.step
         self.trainer.step_count = ckpt.step
         self.consumed = set(ckpt.consumed_group_ids)
-        report = self.ledger.reconcile_with_checkpoint(self.consumed, ckpt.step,
-                                                       ckpt.output_policy_version)
+        try:
+            report = self.ledger.reconcile_with_checkpoint(self.consumed, ckpt.step,
+                                                           ckpt.output_policy_version)
+        except LedgerInconsistencyError as exc:
+            raise RunStateError(self.ledger.path, f"disagrees with {ckpt.path} ({exc})",
+                                "restore ledger.sqlite and checkpoints/ from one backup, or "
+                                "start a new run directory") from None
         log(f"resumed at step {ckpt.step} ({ckpt.output_policy_version}); ledger: "
             f"{len(report.marked_consumed)} marked consumed from the checkpoint, "
             f"{len(report.reverted_to_admitted)} reverted to admitted")
@@ -656,12 +704,17 @@ class TrainingRun:
         return True
 
     def close(self) -> None:
-        """Close the ledger."""
-        self.ledger.close()
+        """Close the ledger and release the run directory."""
+        try:
+            self.ledger.close()
+        finally:
+            self._lock.release()
 
 
 def write_summary(run: TrainingRun, data: dict[str, Any]) -> Path:
-    """Write summary.json atomically and return its path."""
+    """Write summary.json atomically and return its path, once every RL step of the config is
+    committed and logged (``RunStateError`` otherwise)."""
+    require_complete(run.dir, run.cfg.training.rl_steps, run.metrics)
     run._write_json("summary.json", data)
     return run.dir / "summary.json"
 

@@ -159,7 +159,8 @@ class AuditTolerances:
 def audit_tolerances(source: str, max_abs_tolerance: float, model: Any,
                      episodes: Sequence[Episode], *, pad_id: int = 0,
                      sampler: SamplerConfig | None = None, micro_batch_size: int = 4,
-                     share_prompt_prefix: bool = True) -> AuditTolerances:
+                     share_prompt_prefix: bool = True,
+                     precision: str = "bfloat16") -> AuditTolerances:
     """The preregistered tolerances of an audit (config ``consistency.tolerance_source``).
 
     ``fixed``: max = τ, p95 = τ/10, with τ = ``max_abs_tolerance``.
@@ -172,8 +173,11 @@ def audit_tolerances(source: str, max_abs_tolerance: float, model: Any,
     max = max(τ, 2·max_t b_t), p95 = max(τ/10, 2·p95_t b_t); τ stays a floor for a model on which
     bf16 happens to round exactly. Audited tokens and temperature are those of
     :func:`audit_logprobs` with the same ``sampler``.
+
+    ``precision`` is the run's matmul precision. A ``float32`` run has no bf16 rounding on either
+    side (b = 0), so its bounds are the fixed ones: the baseline never loosens an fp32 audit.
     """
-    if source == "fixed":
+    if source == "fixed" or (source == "bf16_same_engine_baseline" and precision == "float32"):
         return AuditTolerances(max_abs_tolerance, max_abs_tolerance / 10, source)
     if source != "bf16_same_engine_baseline":
         raise ContractError(f"tolerance source must be one of {TOLERANCE_SOURCES}, got {source!r}")

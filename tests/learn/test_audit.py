@@ -118,6 +118,25 @@ def test_the_bf16_baseline_admits_bf16_rounding_and_still_catches_a_misalignment
     assert off.abs_max > base.tolerance_max and not off.passed
 
 
+def test_the_baseline_never_loosens_a_float32_audit(sampled):
+    """A float32 run rounds to bf16 on neither side: its baseline bounds are the fixed ones, so
+    an fp32 mismatch of 1e-2 (far below what bf16 rounding moves, far above fp32 noise) fails."""
+    model, checksum, episodes = sampled
+    bounds = audit_tolerances("bf16_same_engine_baseline", 1e-3, model, episodes,
+                              precision="float32")
+    assert (bounds.tolerance_max, bounds.tolerance_p95) == (1e-3, 1e-4)
+    assert bounds.baseline_abs_max is None
+    first = episodes[0].turns[0]
+    raw = list(first.raw_model_logprobs)
+    raw[0] -= 1e-2
+    off = Episode(episodes[0].trajectory, (dataclasses.replace(first, raw_model_logprobs=raw),
+                                           *episodes[0].turns[1:]))
+    result = audit_logprobs(model, [off, *episodes[1:]], checksum,
+                            tolerance_max=bounds.tolerance_max,
+                            tolerance_p95=bounds.tolerance_p95)
+    assert not result.passed
+
+
 def test_an_unknown_tolerance_source_is_refused(sampled):
     model, _, episodes = sampled
     with pytest.raises(ContractError, match="tolerance source"):

@@ -83,6 +83,18 @@ class Action:
         """Return the canonical model text: the canonical JSON inside the delimiters."""
         return f"{TOOL_CALL_OPEN}{self.canonical_json()}{TOOL_CALL_CLOSE}"
 
+    def model_text(self) -> str:
+        """Return the call as demonstrations write it: ``name`` first, then the arguments in
+        their given order (``path`` before ``old`` before ``new``), compact JSON.
+
+        Sorted keys (the canonical form) would put ``arguments`` before ``name`` and ``new``
+        before ``old``: a model would have to write the replacement before naming the tool or
+        the text it replaces. Both forms parse to the same ``Action``.
+        """
+        body = json.dumps({"name": self.name, "arguments": self.args}, separators=(",", ":"),
+                          ensure_ascii=False, allow_nan=False)
+        return f"{TOOL_CALL_OPEN}{body}{TOOL_CALL_CLOSE}"
+
 
 def parse_action(text: str) -> Action:
     """Parse exactly one action from model text; raise ``ActionParseError`` with a reason.

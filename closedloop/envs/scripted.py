@@ -1,8 +1,9 @@
 """Scripted policies: expert, noisy expert and random (demonstrations and controls).
 
-Every policy answers ``act(observation, history=None)`` with model-format *text*: the canonical
-``<tool_call>`` text of an action (``Action.canonical_text()``) or, for the noisy expert, a
-deliberately malformed call. Their episodes are therefore demonstrations in the model's own
+Every policy answers ``act(observation, history=None)`` with model-format *text*: the
+``<tool_call>`` text of an action as demonstrations write it (``Action.model_text()``: the
+tool's name first, its arguments in order) or, for the noisy expert, a deliberately malformed
+call. Their episodes are therefore demonstrations in the model's own
 format. A policy instance plays one episode: it counts its own steps; when ``history`` (the
 agent's previous action texts) is given, ``len(history)`` is the step index instead.
 
@@ -52,7 +53,7 @@ class _PlannedPolicy:
         """Return the plan's next text (``finish`` after the plan)."""
         step = self._step if history is None else len(history)
         self._step = step + 1
-        return self.plan[step] if step < len(self.plan) else Action.finish().canonical_text()
+        return self.plan[step] if step < len(self.plan) else Action.finish().model_text()
 
     def reset(self) -> None:
         """Start the plan over (for a new episode of the same task)."""
@@ -63,11 +64,11 @@ class ExpertPolicy(_PlannedPolicy):
     """Plays the gold actions of ``bundle``."""
 
     def __init__(self, bundle: TaskBundle) -> None:
-        super().__init__([a.canonical_text() for a in bundle.grader.gold_actions])
+        super().__init__([a.model_text() for a in bundle.grader.gold_actions])
 
 
 def _malformed(action: Action, rng: random.Random) -> str:
-    text = action.canonical_text()
+    text = action.model_text()
     body = text[len(TOOL_CALL_OPEN):-len(TOOL_CALL_CLOSE)]
     return rng.choice((
         text[:-len(TOOL_CALL_CLOSE)],                               # unclosed call
@@ -115,14 +116,14 @@ def noisy_plan(bundle: TaskBundle, error_rate: float, seed: int) -> list[str]:
             if kind == "malformed":
                 plan.append(_malformed(action, rng))
             elif kind == "wrong_path":
-                plan.append(_wrong_path(action).canonical_text())
+                plan.append(_wrong_path(action).model_text())
             else:
                 wrong, fix = _wrong_edit(action)
-                plan.append(wrong.canonical_text())
+                plan.append(wrong.model_text())
                 if has_check:
-                    plan.append(Action.tool("run", command="check").canonical_text())
+                    plan.append(Action.tool("run", command="check").model_text())
                 action = fix
-        plan.append(action.canonical_text())
+        plan.append(action.model_text())
     return plan[:bundle.spec.step_budget]
 
 

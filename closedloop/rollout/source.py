@@ -106,7 +106,7 @@ class ScriptedSource:
         out = []
         for key in keys:
             action = self._policies[key].act(self._last_obs[key])
-            text = action.canonical_text() if isinstance(action, Action) else action
+            text = action.model_text() if isinstance(action, Action) else action
             ids = self._encode(text) + self._stop_ids
             out.append(ActionSample(text, ids, [0.0] * len(ids), None, "scripted"))
         return out

@@ -40,6 +40,20 @@ def test_canonical_text_is_stable():
         '<tool_call>{"arguments":{"new":"y","old":"x","path":"p"},"name":"replace"}</tool_call>')
 
 
+def test_model_text_names_the_tool_first_and_keeps_the_argument_order():
+    a = Action.tool("replace", path="p", old="x", new="y")
+    assert a.model_text() == (
+        '<tool_call>{"name":"replace","arguments":{"path":"p","old":"x","new":"y"}}</tool_call>')
+    assert parse_action(a.model_text()) == a
+
+
+@given(name=names, args=args_st)
+@settings(max_examples=200)
+def test_model_text_parses_to_the_same_action(name, args):
+    action = Action("tool", name, args)
+    assert parse_action(action.model_text()) == action
+
+
 @given(name=names, args=args_st, ws=st.lists(whitespace, min_size=4, max_size=4),
        indent=st.sampled_from([None, 1, 2]), order=st.booleans())
 @settings(max_examples=300)

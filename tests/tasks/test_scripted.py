@@ -42,7 +42,7 @@ def test_expert_episodes_are_clean_demonstrations(env: TerminalRepairEnv) -> Non
     verifier = Verifier()
     for bundle in sets.heldout:  # one task of each held-out template per family, and more
         episode = play(env, ExpertPolicy(bundle), bundle.spec.task_id, seed=0)
-        assert all(parse_action(t).canonical_text() == t for t in episode.texts)
+        assert all(parse_action(t).model_text() == t for t in episode.texts)
         reward = verifier.score(bundle.spec.task_id, episode.final_state)
         assert reward["task_success"] == 1.0
         assert decode_state(episode.final_state).final_action == "finish"
@@ -113,6 +113,6 @@ def test_noisy_expert_at_zero_error_rate_is_the_expert() -> None:
 def test_policies_use_history_length_as_step_index() -> None:
     bundle = get_bundle(default_task_sets().train[0].spec.task_id)
     expert = ExpertPolicy(bundle)
-    gold = [a.canonical_text() for a in bundle.grader.gold_actions]
+    gold = [a.model_text() for a in bundle.grader.gold_actions]
     assert expert.act("obs", gold[:2]) == gold[2]
-    assert expert.act("obs", gold * 3) == Action.finish().canonical_text()
+    assert expert.act("obs", gold * 3) == Action.finish().model_text()

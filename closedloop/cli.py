@@ -415,6 +415,8 @@ def build_parser() -> argparse.ArgumentParser:
     sm = sub.add_parser("smoke", help="the smoke experiment on the embedded model")
     sm.add_argument("--run-dir")
     sm.add_argument("--model", help="a local Hugging Face model folder instead")
+    sm.add_argument("--seeds", type=int, metavar="N",
+                    help="run N independent replicates (training.seed + 0..N-1), pooled")
     sm.set_defaults(fn=cmd_smoke)
     ga = sub.add_parser("gates", help="evaluate the go/no-go gates of a run directory")
     ga.add_argument("run_dir")

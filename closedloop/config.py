@@ -153,6 +153,9 @@ class EvaluationSection:
     min_signal_step_fraction: float = 0.5
     # Held-out evaluations of the RL arm from start to final, evenly spaced (the learning curve).
     curve_points: int = 3
+    # Preregistered band of the cold start's success on the train tasks (gate cold_start_band);
+    # its held-out success must also lie in (0, band[1]).
+    cold_start_band: list[float] = field(default_factory=lambda: [0.15, 0.6])
     # One attempt per train task by the cold start: its per-level success table, and the
     # difficulty-band sampler's prior counts.
     cold_start_train_eval: bool = True
@@ -267,6 +270,10 @@ def _check_ranges(cfg: RunConfig) -> None:
         section, name = key.split(".")
         if not getattr(getattr(cfg, section), name) > 0:
             raise ConfigError(key, "must be > 0")
+    band = cfg.evaluation.cold_start_band
+    if len(band) != 2 or not 0 <= band[0] < band[1] <= 1:
+        raise ConfigError("evaluation.cold_start_band", f"must be [lo, hi] with 0 <= lo < hi <= 1,"
+                          f" got {band}")
     for key in ("evaluation.min_informative_group_fraction",
                 "evaluation.min_signal_step_fraction"):
         if not 0 <= getattr(cfg.evaluation, key.split(".")[1]) <= 1:

@@ -69,7 +69,7 @@ def _write(path: Path, data: Any) -> None:
 # --------------------------------------------------------------------------- the clean run
 def test_clean_run_passes_every_measurable_gate() -> None:
     report = clean_gates()
-    assert [g.name for g in report.gates] == list(GATE_NAMES) and len(GATE_NAMES) == 21
+    assert [g.name for g in report.gates] == list(GATE_NAMES) and len(GATE_NAMES) == 22
     for g in report.gates:
         want = None if g.name in NOT_MEASURED_ON_A_PLAIN_RUN else True
         assert g.passed is want, (g.name, g.detail)
@@ -79,7 +79,7 @@ def test_clean_run_passes_every_measurable_gate() -> None:
     assert (ev["expected_groups"], ev["consumed_once"], ev["lost"]) == (4, 4, 0)
     lp = report.gate("behavior_logprobs_finite_aligned").evidence
     assert lp["trainer_batch_tokens_checked"] > 0
-    assert report.gate("reset_state_hash").evidence["episodes"] == 26  # 2 demos + 8 RL + 16 eval
+    assert report.gate("reset_state_hash").evidence["episodes"] == 34  # 2 demos + 8 RL + 24 eval
     assert json.loads(json.dumps(report.to_dict()))["all_passed"] is False
 
 
@@ -246,7 +246,8 @@ def test_reset_gate_fails_when_the_recorded_base_state_differs(tmp_path: Path) -
 def test_replay_gate_fails_on_a_recorded_observation_that_does_not_reproduce(
         tmp_path: Path) -> None:
     run = copy_run(tmp_path / "run")
-    for name in ("step-0000", "step-0001", "eval-start", "eval-final", "sft-demos"):
+    for name in ("step-0000", "step-0001", "eval-start", "eval-start-train", "eval-final",
+                 "sft-demos"):
         edit_trace(run, name, _shift_observations)
     g = gate(run, "restore_replay")
     assert g.passed is False and g.evidence["reproduced"] == 0

@@ -55,7 +55,8 @@ def test_cold_start_table_counts_per_cell_and_per_level_with_wilson_intervals():
     table = cold_start_table(_run({"eval-start-train": train, "eval-start": held}))
     by_level = {(r["suite"], r["level"]): r for r in table["by_level"]}
     assert by_level[("train", "exact")]["successes"] == 1
-    assert by_level[("train", "exact")]["scored"] == 2 and by_level[("train", "exact")]["tasks"] == 2
+    assert by_level[("train", "exact")]["scored"] == 2
+    assert by_level[("train", "exact")]["tasks"] == 2
     assert by_level[("train", "symptom")]["rate"] == 0.0
     # the unscored (censored) attempt is a task seen but not an attempt scored 0
     assert by_level[("heldout", "exact")]["scored"] == 2
@@ -129,3 +130,37 @@ def test_pooled_effect_averages_replicates_per_task_and_counts_replicates_with_g
     assert pooled["pooled"]["estimate"] == pytest.approx(1 / 6)
     assert pooled["pooled"]["tasks"] == 6 and pooled["pooled"]["replicates"] == 2
     assert [p["replicate"] for p in pooled["per_replicate"]] == [0, 1]
+
+
+def _band_run(train_wins: int, heldout_wins: int) -> RunDir:
+    train = _trace("start-train", [(f"{A_EXACT[:-12]}{i:03d}-aaaaaaaa", float(i < train_wins))
+                                   for i in range(10)])
+    held = _trace("start", [(f"{B_EXACT[:-12]}{i:03d}-cccccccc", float(i < heldout_wins))
+                            for i in range(10)])
+    run = _run({"eval-start-train": train, "eval-start": held})
+    run.config["evaluation"] = {"cold_start_band": [0.15, 0.6]}
+    return run
+
+
+@pytest.mark.parametrize("train_wins, heldout_wins, passed", [
+    (3, 2, True),     # train 0.3 in [0.15, 0.6], held-out 0.2 in (0, 0.6)
+    (0, 2, False),    # a cold start that never succeeds on train: nothing to sharpen
+    (9, 2, False),    # one that nearly always succeeds: nothing to gain
+    (3, 0, False),    # held-out at 0
+])
+def test_cold_start_band_gate(train_wins, heldout_wins, passed):
+    from closedloop.evaluate.gates.base import GateOptions
+    from closedloop.evaluate.gates.signal import gate_cold_start_band
+
+    gate = gate_cold_start_band(_band_run(train_wins, heldout_wins), GateOptions())
+    assert gate.passed is passed, gate.detail
+    assert gate.evidence["train_success"] == train_wins / 10
+
+
+def test_cold_start_band_is_not_measured_without_the_train_evaluation():
+    from closedloop.evaluate.gates.base import GateOptions
+    from closedloop.evaluate.gates.signal import gate_cold_start_band
+
+    run = _band_run(3, 2)
+    del run.traces["eval-start-train"]
+    assert gate_cold_start_band(run, GateOptions()).passed is None

@@ -167,3 +167,16 @@ def test_learning_signal_passes_with_informative_groups_that_moved_theta():
     gate = gate_learning_signal(run, GateOptions())
     assert gate.passed is True
     assert gate.evidence["informative_fraction"] == pytest.approx(5 / 8)
+
+
+def test_a_bf16_run_declares_its_ratio_bound_through_the_audit_baseline():
+    run = _run(TEMPERATURE, [_step(0, 0.05)])
+    assert gate_ratio_on_policy(run, GateOptions()).passed is False  # 0.05 > 1e-3 in fp32
+    run.config["training"] = {"precision": "bfloat16"}
+    audit = {"tolerance_source": "bf16_same_engine_baseline", "tolerance_max": 0.3}
+    bf16 = RunDir(**{**run.__dict__, "audit": audit})
+    gate = gate_ratio_on_policy(bf16, GateOptions())
+    assert gate.passed is True and gate.evidence["tolerance"] == 0.3
+    assert gate.evidence["tolerance_source"].startswith("audit.json")
+    tails = RunDir(**{**bf16.__dict__, "metrics": ({"kind": "rl_step", **_step(0, 0.5)},)})
+    assert gate_ratio_on_policy(tails, GateOptions()).passed is False  # beyond the baseline

@@ -60,6 +60,7 @@ GATES: tuple[tuple[str, GateFn], ...] = (
     ("termination_codes", _traces.gate_termination_codes),
     ("episode_sum_score_function", _live.gate_episode_sum),
     ("verifier_fp_fn", _env.gate_verifier_fp_fn),
+    ("cold_start_band", _signal.gate_cold_start_band),
     ("learning_signal", _signal.gate_learning_signal),
     ("shuffled_reward_control", _live.gate_shuffled_control),
 )

@@ -56,9 +56,9 @@ def _suites(cfg: RunConfig) -> tuple[str, ...]:
     return SUITES if cfg.evaluation.environment_family_disjoint else SUITES[:1]
 
 
-def _cold_start(cfg: RunConfig, frozen_dir: Path) -> None:
+def _cold_start(cfg: RunConfig, frozen_dir: Path, config_override: str | None = None) -> None:
     """Warm start, publish v0000, evaluate it on every suite and audit it: the frozen arm."""
-    run = TrainingRun(cfg, frozen_dir)
+    run = TrainingRun(cfg, frozen_dir, config_override)
     try:
         if cfg.sft.enabled:
             run.warm_start()
@@ -74,8 +74,9 @@ def _cold_start(cfg: RunConfig, frozen_dir: Path) -> None:
         run.close()
 
 
-def _sft_only(cfg: RunConfig, arm_dir: Path, tokens: int) -> None:
-    run = TrainingRun(cfg, arm_dir)
+def _sft_only(cfg: RunConfig, arm_dir: Path, tokens: int,
+              config_override: str | None = None) -> None:
+    run = TrainingRun(cfg, arm_dir, config_override)
     try:
         if cfg.sft.enabled:
             run.warm_start()
@@ -100,7 +101,8 @@ def _trained_tokens(run_dir: Path) -> int:
     return total
 
 
-def run_experiment(cfg: RunConfig, exp_dir: str | Path) -> dict[str, Any]:
+def run_experiment(cfg: RunConfig, exp_dir: str | Path,
+                   config_override: str | None = None) -> dict[str, Any]:
     """Run (or resume) the four arms and write experiment.json; return its content.
 
     The shuffled arm runs the same loop and budgets as rloo; its held-out evaluations are the
@@ -110,7 +112,7 @@ def run_experiment(cfg: RunConfig, exp_dir: str | Path) -> dict[str, Any]:
     arms = {name: root / "arms" / name for name in ARMS}
     t0 = time.perf_counter()
     log("experiment: cold start (warm start, start evaluation, audit) = the frozen arm")
-    _cold_start(cfg, arms["frozen"])
+    _cold_start(cfg, arms["frozen"], config_override)
     controls: tuple[tuple[str, Literal["none", "shuffle_within_group"]], ...] = (
         ("rloo", "none"), ("shuffled", "shuffle_within_group"))
     for name, control in controls:
@@ -121,11 +123,11 @@ def run_experiment(cfg: RunConfig, exp_dir: str | Path) -> dict[str, Any]:
             if control != "none":
                 arm_cfg = replace(arm_cfg, evaluation=replace(arm_cfg.evaluation,
                                                               curve_points=2))
-            train(arm_cfg, arms[name])
+            train(arm_cfg, arms[name], config_override)
     tokens = _trained_tokens(arms["rloo"])
     _copy_cold_start(arms["frozen"], arms["sft_only"])
     log(f"experiment: arm sft_only, matched to {tokens} RL action tokens")
-    _sft_only(cfg, arms["sft_only"], tokens)
+    _sft_only(cfg, arms["sft_only"], tokens, config_override)
     result = summarize_experiment(cfg, arms, tokens)
     result["wall_s_this_launch"] = time.perf_counter() - t0
     (root / "experiment.json").write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")

@@ -60,9 +60,11 @@ def evaluate_curve_point(run: TrainingRun, step: int) -> None:
         run.evaluate(f"step-{step:04d}", run.registry.manifest(version_name(step)))
 
 
-def train(cfg: RunConfig, run_dir: str | Path) -> dict[str, Any]:
-    """Run (or resume) a whole experiment and return its summary."""
-    run = TrainingRun(cfg, run_dir)
+def train(cfg: RunConfig, run_dir: str | Path,
+          config_override: str | None = None) -> dict[str, Any]:
+    """Run (or resume) a whole experiment and return its summary (``config_override``: the
+    declared reason for a config that differs from the run directory's)."""
+    run = TrainingRun(cfg, run_dir, config_override)
     try:
         if cfg.sft.enabled:
             run.warm_start()  # π_ref = the warm-started policy ("initial_sft")

@@ -49,11 +49,10 @@ import pytest
 import torch
 import yaml
 
-from closedloop.envs.tasks.split import build_task_sets
 from closedloop.learn.checkpoint import PAUSE_ENV, Checkpoint, load_latest
 from closedloop.policy.registry import PolicyRegistry, version_name
 from closedloop.rollout.ledger import Ledger
-from tests.tiny_agent import build_tiny_agent
+from tests import conftest
 
 pytestmark = pytest.mark.slow
 
@@ -92,18 +91,11 @@ def run_config(model_dir: Path) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="session")
-def agent_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny agent, taught once per session on the run's train tasks (see tiny_agent)."""
-    sets = build_task_sets(TRAIN_TASKS, HELDOUT_TASKS, seed=SEED)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        agent = build_tiny_agent(tmp_path_factory.mktemp("tiny-agent") / "model",
-                                 sets.train_ids, sets.heldout_ids, seed=SEED)
-    finally:
-        torch.set_num_threads(threads)
-    assert agent.mixed_tasks, f"the tiny agent never both solves and fails: {agent.outcomes}"
-    return agent.folder
+def agent_dir(tiny_agent_dir: Path) -> Path:
+    """The tiny agent, taught once per session on the run's train tasks (tests/conftest.py)."""
+    assert (TRAIN_TASKS, HELDOUT_TASKS, SEED) == (conftest.TRAIN_TASKS, conftest.HELDOUT_TASKS,
+                                                  conftest.SEED)
+    return tiny_agent_dir
 
 
 # ----------------------------------------------------------------------------- processes
@@ -245,11 +237,13 @@ class CrashLog:
 
 
 def run_with_kills(config: Path, run_dir: Path, log: Path, plan: list[Kill],
-                   deadline: float) -> CrashLog:
+                   deadline: float, launcher: Callable[..., Any] | None = None) -> CrashLog:
     """Launch until the run completes, SIGKILLing the process group at each planned point.
 
     Each launch watches every pending kill's trigger; the first that fires is carried out
     (kills planned before it, whose moment this launch has already passed, are skipped).
+    ``launcher(config, run_dir, log, env)`` starts one launch (default :func:`launch`) and
+    returns a handle with ``pid`` (its process group), ``poll``, ``wait`` and ``returncode``.
     """
     out = CrashLog()
     pending = list(plan)
@@ -257,7 +251,7 @@ def run_with_kills(config: Path, run_dir: Path, log: Path, plan: list[Kill],
     env = child_env(checkpoint_pause_s=0.15)
     while True:
         since = time.time() - 0.001
-        proc = launch(config, run_dir, log, env)
+        proc = (launcher or launch)(config, run_dir, log, env)
         out.launches += 1
         triggers = [(k, trigger(run_dir, k)) for k in pending]
         armed: tuple[Kill, float] | None = None
@@ -411,14 +405,19 @@ def test_sigkill_and_resume_consumes_each_group_once_and_matches_uninterrupted(
         counts = crash_ledger.counts()
         assert counts.consumed == ref_ledger.counts().consumed == len(consumed)
         assert counts.duplicates_rejected == 0 and counts.illegal_transitions_rejected == 0
-        assert counts.reverted_by_reconcile == 0
+        # a kill after the ledger marked a step but before its metrics record sets that
+        # step's checkpoint aside and runs the step again: its groups are reverted, once each
+        reverted = 0
         for gid, events in group_events(crash_ledger).items():
             if gid not in consumed:
                 continue
             applied = events["transition:consumed"] + events["reconciled:consumed"]
-            assert applied == 1 and events["reconciled:admitted"] == 0, (gid, events)
+            assert applied - events["reconciled:admitted"] == 1, (gid, events)
+            assert events["reconciled:admitted"] <= 1, (gid, events)
+            reverted += events["reconciled:admitted"]
             assert not any(k.startswith("rejected") for k in events), (gid, events)
             assert events["transition:collected"] == 1, (gid, events)
+        assert counts.reverted_by_reconcile == reverted
 
     # checkpoints: the same consumed ids, and bit-identical weights and optimizer state
     ref_ckpt, crash_ckpt = final_checkpoint(ref_dir), final_checkpoint(crash_dir)

@@ -1,0 +1,47 @@
+"""Session fixtures shared by the run-level tests: the tiny agent (taught once per session)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+TRAIN_TASKS, HELDOUT_TASKS, SEED = 2, 2, 0
+"""The task sets the tiny agent is taught on (and every run that uses it trains on)."""
+
+
+@pytest.fixture(scope="session")
+def tiny_agent_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama that solves the two train tasks about half the time (tests.tiny_agent),
+    saved as a local model folder a run config's ``model:`` accepts."""
+    from closedloop.envs.tasks.split import build_task_sets
+    from tests.tiny_agent import build_tiny_agent
+
+    sets = build_task_sets(TRAIN_TASKS, HELDOUT_TASKS, seed=SEED)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        agent = build_tiny_agent(tmp_path_factory.mktemp("tiny-agent") / "model",
+                                 sets.train_ids, sets.heldout_ids, seed=SEED)
+    finally:
+        torch.set_num_threads(threads)
+    assert agent.mixed_tasks, f"the tiny agent never both solves and fails: {agent.outcomes}"
+    return agent.folder
+
+
+def short_run_config(model_dir: Path, rl_steps: int) -> dict[str, object]:
+    """A short tiny-agent run: 2 train tasks, ``rl_steps`` steps of 2 groups x 4 siblings, no
+    SFT, no retain suites, only the start and final held-out evaluations."""
+    return {
+        "model": str(model_dir),
+        "environment": {"train_tasks": TRAIN_TASKS, "heldout_tasks": HELDOUT_TASKS,
+                        "max_turns": 6},
+        "rollout": {"group_size": 4, "max_action_tokens": 64, "temperature": 1.0},
+        "credit": {"censor_rule": "drop_censored"},
+        "evaluation": {"attempts_per_task": 1, "retain_suites": [], "curve_points": 2,
+                       "environment_family_disjoint": False, "cold_start_train_eval": False},
+        "training": {"rl_steps": rl_steps, "groups_per_step": 2, "learning_rate": 1e-3,
+                     "seed": SEED},
+        "sft": {"enabled": False},
+    }

@@ -7,19 +7,9 @@ import pytest
 import torch
 
 from closedloop.contracts import ContractError, Episode, SamplerConfig, sha256_hex
-from closedloop.envs.tasks.registry import list_tasks
 from closedloop.learn.audit import audit_logprobs, audit_tolerances
-from closedloop.policy import ChatRenderer, HFGenerator, build_tiny_model, load_embedded_tokenizer
-from closedloop.policy.weights import weights_checksum
-from closedloop.rollout.source import GeneratorSource
-from closedloop.runtime import (
-    AGENT_TOOLS,
-    SYSTEM_PROMPT,
-    CollectorParts,
-    build_manifest,
-    make_collector,
-)
-from closedloop.verify.verifier import Verifier
+from closedloop.policy import build_tiny_model, load_embedded_tokenizer
+from tests.learn.sampling import sample_episodes
 
 
 @pytest.fixture(scope="module")
@@ -27,20 +17,9 @@ def sampled():
     """Multi-turn episodes sampled by the HF generator from a peaked tiny model."""
     tok = load_embedded_tokenizer()
     model = build_tiny_model(tok, seed=2, init_std=0.3)
-    checksum = weights_checksum(model)
-    renderer = ChatRenderer(tok, SYSTEM_PROMPT, list(AGENT_TOOLS))
-    sampler = SamplerConfig()
-    manifest = build_manifest(policy_version="v0000", weight_checksum=checksum,
-                              tokenizer_revision=sha256_hex("t"), renderer=renderer,
-                              sampler=sampler, step_budget=8, max_action_tokens=12,
-                              model_id="tiny")
-    source = GeneratorSource(HFGenerator(model, tok, weight_checksum=checksum, seed=1),
-                             renderer.action_text, sampler, 12, "hf")
-    collector = make_collector(source, manifest,
-                               CollectorParts(renderer, Verifier(), "audit", None, 8))
-    task = list_tasks(split="train")[3]
-    groups = collector.collect([collector.make_lease("g", task, 11, 3)])
-    return model, checksum, [ep for g in groups for ep in g.episodes]
+    checksum, episodes = sample_episodes(model, tok, SamplerConfig(), siblings=3, max_turns=8,
+                                         run_id="audit")
+    return model, checksum, episodes
 
 
 def test_same_version_fp32_passes(sampled):

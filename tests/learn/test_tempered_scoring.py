@@ -9,27 +9,17 @@ import pytest
 import torch
 from torch import nn
 
-from closedloop.contracts import SamplerConfig, sha256_hex
-from closedloop.envs.tasks.registry import list_tasks
+from closedloop.contracts import SamplerConfig
 from closedloop.evaluate.gates.base import GateOptions
 from closedloop.evaluate.gates.signal import gate_learning_signal, gate_ratio_on_policy
 from closedloop.evaluate.rundir import RunDir
 from closedloop.learn.audit import audit_logprobs
 from closedloop.learn.trainer import Trainer, TrainerConfig
-from closedloop.policy import ChatRenderer, HFGenerator, build_tiny_model, load_embedded_tokenizer
+from closedloop.policy import build_tiny_model, load_embedded_tokenizer
 from closedloop.policy.lora import attach_lora
 from closedloop.policy.vocab_scoring import target_logprobs
-from closedloop.policy.weights import weights_checksum
-from closedloop.rollout.source import GeneratorSource
 from closedloop.rollout.tensors import build_training_batch
-from closedloop.runtime import (
-    AGENT_TOOLS,
-    SYSTEM_PROMPT,
-    CollectorParts,
-    build_manifest,
-    make_collector,
-)
-from closedloop.verify.verifier import Verifier
+from tests.learn.sampling import sample_episodes
 
 TEMPERATURE = 0.7
 
@@ -57,20 +47,9 @@ def tempered_episodes():
     """Multi-turn episodes the HF generator sampled at τ = 0.7 from a LoRA-wrapped tiny model."""
     tok = load_embedded_tokenizer()
     model = attach_lora(build_tiny_model(tok, seed=2, init_std=0.3), r=4, alpha=8, seed=0)
-    checksum = weights_checksum(model)
-    renderer = ChatRenderer(tok, SYSTEM_PROMPT, list(AGENT_TOOLS))
-    sampler = SamplerConfig(temperature=TEMPERATURE)
-    manifest = build_manifest(policy_version="v0000", weight_checksum=checksum,
-                              tokenizer_revision=sha256_hex("t"), renderer=renderer,
-                              sampler=sampler, step_budget=8, max_action_tokens=12,
-                              model_id="tiny")
-    source = GeneratorSource(HFGenerator(model, tok, weight_checksum=checksum, seed=1),
-                             renderer.action_text, sampler, 12, "hf")
-    collector = make_collector(source, manifest,
-                               CollectorParts(renderer, Verifier(), "tempered", None, 4))
-    task = list_tasks(split="train")[3]
-    groups = collector.collect([collector.make_lease("g", task, 11, 4)])
-    return model, checksum, [ep for g in groups for ep in g.episodes]
+    checksum, episodes = sample_episodes(model, tok, SamplerConfig(temperature=TEMPERATURE),
+                                         siblings=4, max_turns=4, run_id="tempered")
+    return model, checksum, episodes
 
 
 def _ratio_metrics(model, episodes, temperature):

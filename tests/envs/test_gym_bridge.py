@@ -143,9 +143,20 @@ def test_slippery_lake_replays_exactly_because_the_rng_is_in_the_state():
     assert report.replays == 18 and report.fork_checks == 3
 
 
+def test_the_snapshot_rng_hash_follows_the_envs_rng():
+    env = SimEnv(_slippery())
+    env.reset("lake/slip", 0)
+    first = env.snapshot("a")
+    env.step(Action.tool("left"))  # every FrozenLake step draws from np_random
+    second = env.snapshot("b")
+    assert first.rng_state_hash != second.rng_state_hash
+    assert "rng" in env.current_state().world() and "rng" not in env.current_state().world()["gym"]
+
+
 def test_a_codec_that_drops_the_rng_is_caught_by_the_replay_check():
     forgetful = dataclasses.replace(
-        TOY_TEXT_CODEC, read=lambda env: {"s": int(env.s), "lastaction": env.lastaction},
+        TOY_TEXT_CODEC, rng_key=None,
+        read=lambda env: {"s": int(env.s), "lastaction": env.lastaction},
         write=lambda env, s: (setattr(env, "s", s["s"]), setattr(env, "lastaction",
                                                                    s["lastaction"])))
     with pytest.raises(ReplayMismatchError):

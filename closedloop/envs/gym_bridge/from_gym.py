@@ -13,7 +13,9 @@ snapshots, restores and forks follow. Without a codec the rules step one live en
 every snapshot, restore and fork (``SnapshotUnsupportedError``, naming the env) rather than
 pretend.
 
-World: ``gym`` (the codec's state, or ``None``), ``obs`` (the last observation as JSON),
+World: ``gym`` (the codec's state, or ``None``), ``rng`` (the part of it under the codec's
+``rng_key``, kept apart so the snapshot's ``rng_state_hash`` covers the env's RNG), ``obs`` (the
+last observation as JSON),
 ``return`` (sum of rewards), ``last_reward``, ``terminated``. The env's own ``terminated`` ends
 the episode with ``env_terminal_success`` when the return is positive, else
 ``env_terminal_failure`` (the env's own signal; the verifier scores from the exported return);
@@ -43,6 +45,7 @@ class StateCodec:
     name: str
     read: Callable[[Any], dict[str, Any]]
     write: Callable[[Any, Mapping[str, Any]], None]
+    rng_key: str | None = "rng"
 
 
 def _read_toy_text(env: Any) -> dict[str, Any]:
@@ -124,7 +127,7 @@ class GymRules:
         task = self._tasks(task_id)
         env = self._env(task_id)
         obs, _ = env.reset(seed=seed + task.seed_offset)
-        world = {"task_id": task_id, "gym": self._read(env), "obs": _jsonable(env, obs),
+        world = {"task_id": task_id, **self._read(env), "obs": _jsonable(env, obs),
                  "return": 0.0, "last_reward": 0.0, "terminated": False}
         text = (f"{task.objective} Actions: {', '.join(self.action_names)}. You have "
                 f"{task.budget} moves.\n{self._render(env, obs)}")
@@ -139,10 +142,11 @@ class GymRules:
             return error_outcome("bad_arguments", f"{action.name} takes no arguments")
         env = self._env(str(world["task_id"]))
         if self.codec is not None:
-            self.codec.write(env, world["gym"])
+            key = self.codec.rng_key
+            self.codec.write(env, {**world["gym"], **({key: world["rng"]} if key else {})})
         obs, reward, terminated, truncated, _ = env.step(self.action_names.index(action.name))
         total = float(world["return"]) + float(reward)
-        new = {**world, "gym": self._read(env), "obs": _jsonable(env, obs), "return": total,
+        new = {**world, **self._read(env), "obs": _jsonable(env, obs), "return": total,
                "last_reward": float(reward), "terminated": bool(terminated)}
         end = None
         if terminated:
@@ -153,8 +157,13 @@ class GymRules:
         text = f"{self._render(env, obs)}\nreward {float(reward):g}"
         return Outcome(text, world=new, end=end, final_action=action.name if end else None)
 
-    def _read(self, env: Any) -> dict[str, Any] | None:
-        return None if self.codec is None else self.codec.read(env)
+    def _read(self, env: Any) -> dict[str, Any]:
+        """``{"gym": state without the RNG, "rng": the RNG}`` (both None without a codec)."""
+        if self.codec is None:
+            return {"gym": None, "rng": None}
+        state = self.codec.read(env)
+        rng = state.pop(self.codec.rng_key, None) if self.codec.rng_key else None
+        return {"gym": state, "rng": rng}
 
 
 def _jsonable(env: Any, obs: Any) -> Any:

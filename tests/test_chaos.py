@@ -12,7 +12,8 @@ reverts a re-run step makes), bit-identical adapter and optimizer state, every m
 present exactly once with the same content (timings aside), the same trace files with the same
 sampled actions, and nothing left half-written.
 
-``CLOSEDLOOP_CHAOS_SEED`` overrides the schedule's seed.
+``CLOSEDLOOP_CHAOS_SEED`` overrides the schedule's seed; ``CLOSEDLOOP_CHAOS_STEPS`` the number
+of RL steps (2 kills more per step).
 """
 
 from __future__ import annotations
@@ -48,10 +49,11 @@ from tests.test_crash_resume import (
 
 pytestmark = pytest.mark.slow
 
-RL_STEPS = 3
+RL_STEPS = int(os.environ.get("CLOSEDLOOP_CHAOS_STEPS", "3"))
+"""3 in the suite (11 kills); ``CLOSEDLOOP_CHAOS_STEPS=8`` gives the longer run (21 kills)."""
 GROUPS = 2
 SEED = int(os.environ.get("CLOSEDLOOP_CHAOS_SEED", "16"))
-DEADLINE_S = 420.0
+DEADLINE_S = 420.0 + 120.0 * max(0, RL_STEPS - 3)
 
 
 def chaos_plan(seed: int) -> list[Kill]:
@@ -120,7 +122,7 @@ def test_chaos_kills_leave_ledger_weights_metrics_and_traces_as_uninterrupted(
     print(json.dumps({"seed": SEED, "launches": crashed.launches, "landed": landed,
                       "skipped": [str(k) for k in crashed.skipped],
                       "seconds": round(time.monotonic() - t0, 1)}, indent=1))
-    assert len(crashed.kills) >= 10, landed
+    assert len(crashed.kills) >= max(10, len(plan) - 2), landed
     assert sum(x.startswith("writing checkpoint") for x in landed) >= 2, landed
 
     # the ledger: the same final states, every group consumed once (net of re-run steps)

@@ -201,3 +201,21 @@ def test_a_tampered_ledger_is_refused_against_the_checkpoint_digest(tmp_path: Pa
     with Ledger(tmp_path / "ledger.sqlite") as reopened, pytest.raises(
             LedgerCorruptError, match=r"ledger\.sqlite: groups"):
         _prove(tmp_path, reopened, metrics)
+
+
+def test_the_run_seeds_python_numpy_and_torch() -> None:
+    import random
+
+    import numpy as np
+
+    from closedloop.training import _seed_all
+
+    def draws() -> tuple[float, float, float]:
+        return random.random(), float(np.random.rand()), float(torch.rand(1))
+
+    _seed_all(7)
+    first = draws()
+    _seed_all(7)
+    assert draws() == first
+    _seed_all(8)
+    assert all(a != b for a, b in zip(draws(), first, strict=True))

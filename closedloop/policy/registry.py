@@ -279,7 +279,7 @@ class PolicyRegistry:
         Returns the tensor checksum; raises ``ChecksumMismatchError``.
         """
         folder = self.path(version)
-        recorded = (folder / "checksum").read_text("utf-8").strip()
+        recorded = _recorded_checksum(folder)
         _verify_folder(folder, recorded)
         manifest = self.manifest(version)
         kind = _kind_of(folder)
@@ -291,7 +291,7 @@ class PolicyRegistry:
     def load_state_dict(self, version: str) -> dict[str, torch.Tensor]:
         """Load a version's tensors, verifying their checksum (``ChecksumMismatchError``)."""
         folder = self.path(version)
-        recorded = (folder / "checksum").read_text("utf-8").strip()
+        recorded = _recorded_checksum(folder)
         return _verify_folder(folder, recorded)
 
     # ------------------------------------------------------------------ publication
@@ -412,6 +412,14 @@ def _manifest_for(template: PolicyManifest, version: str, checksum: str,
         raise RegistryError("staging an adapter needs manifest_template.base_weight_checksum")
     return template.with_weights(version, combine_checksums(base, checksum),
                                  adapter_checksum=checksum)
+
+
+def _recorded_checksum(folder: Path) -> str:
+    """A version folder's ``checksum`` file; ``ChecksumMismatchError`` naming it if unreadable."""
+    try:
+        return (folder / "checksum").read_text("utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ChecksumMismatchError(f"{folder / 'checksum'}: cannot be read ({exc})") from None
 
 
 def _read_json(path: Path) -> Any:

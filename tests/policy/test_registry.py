@@ -118,6 +118,29 @@ def test_corrupt_version_is_refused(reg: PolicyRegistry) -> None:
         reg.verify(bad.version)
 
 
+def test_damaged_registry_files_are_registry_errors_naming_the_file(
+        reg: PolicyRegistry) -> None:
+    version = reg.stage(weights(0), template()).version
+    reg.publish(version)
+    folder = reg.path(version)
+    (reg.root / "ACTIVE").write_text('{"version": ')
+    with pytest.raises(RegistryError, match="ACTIVE: cannot be read as JSON"):
+        reg.active()
+    (reg.root / "ACTIVE").write_text('{"version": "v0000"}')
+    with pytest.raises(RegistryError, match="not an ACTIVE pointer"):
+        reg.active()
+    (folder / "checksum").unlink()
+    with pytest.raises(ChecksumMismatchError, match="checksum: cannot be read"):
+        reg.verify(version)
+    (folder / "manifest.json").write_text('{"policy_version": "v0000"}')
+    with pytest.raises(RegistryError, match=r"manifest\.json: not a policy manifest"):
+        reg.manifest(version)
+    with open(reg.root / "publish_log.jsonl", "a") as fh:
+        fh.write("{torn")
+    with pytest.raises(RegistryError, match=r"publish_log\.jsonl:2: not valid JSON"):
+        reg.history()
+
+
 def test_publish_requires_matching_worker_acks(reg: PolicyRegistry) -> None:
     assert reg.active() is None
     with pytest.raises(RegistryError):

@@ -398,19 +398,48 @@ def dump_config(cfg: RunConfig) -> str:
 SECTION_NAMES = tuple(f.name for f in fields(RunConfig))
 
 
+def host_has_native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AMX-BF16 or AVX512-BF16 in its flags):
+    where bf16 matmuls are measured faster than fp32 (benchmarks/RESULTS.md, design.md §6)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return False
+    flags = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.split(":", 1)[-1].split())
+    return bool({"amx_bf16", "avx512_bf16"} & flags)
+
+
 def smoke_config() -> RunConfig:
-    """The smoke experiment's defaults: the seed's YAML, scaled to ~20 minutes on 2 CPU cores.
+    """The smoke experiment's defaults: the seed's YAML, scaled to ~30 minutes on 2 CPU cores.
 
     Sizes are those of seed 000 §7 (48 train / 16 held-out tasks, 8 turns, G=8) except the
-    training budget (``training``, ``sft``), which the seed leaves open, and two declared
-    departures measured here: sampling at temperature 0.7 (the behaviour log-probs recorded are
-    those of the tempered distribution; at 1.0 the warm-started 135M model rambles past the
-    action budget in most episodes), and ``drop_censored`` (a group keeps its uncensored
-    members when at least two remain; censored ones are excluded, never scored 0).
+    training budget (``training``, ``sft``), which the seed leaves open, and these declared
+    departures:
+
+    - sampling at temperature 0.7: the behaviour log-probs recorded, the trainer, the reference
+      and the auditor all use the tempered distribution (at 1.0 the warm-started 135M model
+      rambles past the action budget in most episodes);
+    - ``drop_censored``: a group keeps its uncensored members when at least two remain;
+      censored ones are excluded, never scored 0;
+    - the difficulty band: train and held-out objectives at the ``exact`` and ``located`` hint
+      levels (the ``symptom`` level, the only one before, was 0/48 held-out at the cold start:
+      nothing to sharpen), preregistered cold-start band [0.15, 0.6];
+    - 128 action tokens (the longest gold edit is ~100 tokens);
+    - bfloat16 matmuls where the CPU multiplies bf16 natively (faster there), audited against
+      the bf16 same-engine baseline; float32 elsewhere.
     """
+    levels = ["exact", "located"]
+    precision: Literal["float32", "bfloat16"] = (
+        "bfloat16" if host_has_native_bf16() else "float32")
     return RunConfig(
-        rollout=RolloutSection(temperature=0.7),
+        environment=EnvironmentSection(train_levels=levels, heldout_levels=levels),
+        rollout=RolloutSection(temperature=0.7, max_action_tokens=128),
         credit=CreditSection(censor_rule="drop_censored"),
-        training=TrainingSection(rl_steps=2, groups_per_step=2, learning_rate=2e-4),
-        sft=SFTSection(enabled=True, demonstrations=48, epochs=2, learning_rate=2e-3),
+        training=TrainingSection(rl_steps=6, groups_per_step=3, learning_rate=5e-4,
+                                 precision=precision),
+        sft=SFTSection(enabled=True, demonstrations=48, epochs=3, learning_rate=2e-3),
         run_dir="runs")

@@ -84,3 +84,12 @@ def test_missing_or_unreadable_config_file_is_a_config_error_naming_it(tmp_path:
     binary.write_bytes(b"\xff\xfe\x00")
     with pytest.raises(ConfigError, match=r"binary\.yaml"):
         load_config(binary)
+
+
+def test_native_bf16_is_read_from_the_cpu_flags():
+    from closedloop.config import host_has_native_bf16
+
+    assert host_has_native_bf16("processor : 0\nflags : fpu sse2 avx512f amx_bf16 amx_tile\n")
+    assert host_has_native_bf16("flags\t\t: fpu avx512f avx512_bf16\n")
+    assert not host_has_native_bf16("flags : fpu sse2 avx2 avx512f\n")
+    assert not host_has_native_bf16("")

@@ -62,10 +62,11 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        # a short fit (about 20 steps) already leaves both outcomes in the sampled groups
+        # a short fit leaves both outcomes in the sampled groups (at lr 2e-2 the fit of the
+        # name-first demonstrations stalls at a loss of 0.039 and never solves a task)
         agent = build_tiny_agent(root / "model", sets.train, sets.heldout, seed=0,
-                                 max_turns=6, max_action_tokens=48, package=package, steps=40,
-                                 learning_rate=2e-2, target_loss=0.03)
+                                 max_turns=6, max_action_tokens=48, package=package, steps=60,
+                                 learning_rate=1e-2, target_loss=0.03)
         config = root / "lockbox.yaml"
         config.write_text(yaml.safe_dump(run_config(agent.folder)))
         code = main(["train", str(config), "--run-dir", str(root / "run"), "--json"])

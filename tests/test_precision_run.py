@@ -69,8 +69,8 @@ def same_engine_p95_bound(model: Any, episodes: list[Any]) -> float:
     rounding boundary) moves an output by one bf16 ulp (2^-7 relative, u_bf16 = 2^-8) and can
     reach the max |Δ| on any host (3e-5 on an AVX-512-bf16 EPYC, 3e-2 on other episodes here),
     but flips are rare (probability about |Δy| / ulp per element), so the p95 is held to the
-    accumulation bound. An fp32 recomputation differs from bf16 on every element by input
-    rounding, about u_bf16·|z|: its p95 lies far above the bound.
+    accumulation bound. An fp32 recomputation differs from bf16 by input rounding on every
+    element, so it lies farther from the recorded log-probs than the bf16 recomputation.
     """
     batch = build_training_batch(episodes)
     with torch.no_grad():
@@ -86,7 +86,7 @@ def test_a_bf16_run_labels_its_manifests_and_audits_the_bf16_paths(agent_dir: Pa
     assert summary
     audit = json.loads((tmp_path / "run" / "audit.json").read_text())
     # both paths computed with bf16 matmuls (on SmolLM2-135M their gap is ~1e-1;
-    # tests/policy/test_precision.py covers a gate failing on it); the run's audit bound is the
+    # tests/engine/test_precision.py covers a gate failing on it); the run's audit bound is the
     # seed's bf16 same-engine baseline
     assert audit["trainer_dtype"] == LABEL and audit["tolerance_source"] == (
         "bf16_same_engine_baseline")
@@ -100,7 +100,10 @@ def test_a_bf16_run_labels_its_manifests_and_audits_the_bf16_paths(agent_dir: Pa
     checksum = episodes[0].trajectory.behavior_weight_checksum
     same = audit_logprobs(model, episodes, checksum, precision="bfloat16")
     fp32 = audit_logprobs(model, episodes, checksum, precision="float32")
-    assert same.abs_p95 <= same_engine_p95_bound(model, episodes) < fp32.abs_p95
+    # the bf16 recomputation is within the accumulation bound and strictly closer than fp32's
+    # (how far fp32 lies depends on how peaked the sampled tokens are, so it is not bounded)
+    assert same.abs_p95 <= same_engine_p95_bound(model, episodes)
+    assert same.abs_p95 < fp32.abs_p95
     registry = PolicyRegistry(tmp_path / "run" / "registry")
     for version in (version_name(0), version_name(1)):
         manifest = registry.manifest(version)

@@ -57,6 +57,7 @@ from closedloop.contracts import (
     sha256_hex,
 )
 from closedloop.contracts.metrics_log import MetricsLog
+from closedloop.engine import HFGenerator, precision_label
 from closedloop.envs.plugin import EnvPackageError, ScriptedPolicyLike
 from closedloop.evaluate.heldout import EvalSummary, summarize_eval
 from closedloop.evaluate.retain import summarize_suites
@@ -69,9 +70,8 @@ from closedloop.learn.checkpoint import (
 from closedloop.learn.credit import group_advantages, summarize_credit
 from closedloop.learn.sft import supervised_warm_start
 from closedloop.learn.trainer import Trainer, TrainerConfig
-from closedloop.policy import HFGenerator, attach_lora, check_append_only, load_model
+from closedloop.policy import attach_lora, check_append_only, load_model
 from closedloop.policy.lora import policy_weight_checksum, split_state_dict
-from closedloop.policy.precision import precision_label
 from closedloop.policy.registry import PolicyRegistry, RegistryError, version_index, version_name
 from closedloop.progress import Progress, log
 from closedloop.rollout.admission import AdmissionController, apply_decision
@@ -148,6 +148,26 @@ def _versions() -> dict[str, str]:
     return {"torch": torch.__version__, "transformers": transformers.__version__,
             "peft": peft.__version__, "python": platform.python_version(),
             "machine": f"{platform.machine()} {os.cpu_count()} cpus"}
+
+
+def load_warm_start(sft_dir: Path) -> tuple[dict[str, torch.Tensor], int]:
+    """The run's SFT adapter (``adapter.pt``) and its trained action tokens (``result.json``);
+    ``RunStateError`` naming the damaged file and how to recover otherwise."""
+    adapter_file, result_file = sft_dir / "adapter.pt", sft_dir / "result.json"
+    recovery = (f"delete {sft_dir} to train the warm start again (and checkpoints/ and "
+                "registry/, which were trained from it)")
+    try:
+        meta = json.loads(result_file.read_text(encoding="utf-8"))
+        tokens = int(meta["trained_action_tokens"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise RunStateError(result_file, f"the warm start's record is unreadable "
+                            f"({type(exc).__name__}: {exc})", recovery) from None
+    try:
+        state: dict[str, torch.Tensor] = torch.load(adapter_file, weights_only=True)
+    except Exception as exc:  # torch raises several types for a damaged file
+        raise RunStateError(adapter_file, f"the warm-start adapter does not load "
+                            f"({type(exc).__name__}: {exc})", recovery) from None
+    return state, tokens
 
 
 class TrainingRun:
@@ -261,10 +281,8 @@ class TrainingRun:
                             alpha=self.cfg.training.lora_alpha, seed=self.cfg.training.seed,
                             target_modules=tuple(self.cfg.training.lora_targets))
         if adapter_file.is_file():
-            state = torch.load(adapter_file, weights_only=True)
+            state, self.sft_tokens = load_warm_start(adapter_file.parent)
             model.load_state_dict(state, strict=False)
-            meta = json.loads((self.dir / "sft" / "result.json").read_text())
-            self.sft_tokens = int(meta["trained_action_tokens"])
             log("warm start: reusing the run's SFT adapter")
         else:
             demos = self.collect_demonstrations(cfg.demonstrations)
@@ -273,12 +291,16 @@ class TrainingRun:
                     model, demos, self.pad_id, epochs=cfg.epochs, batch_size=cfg.batch_size,
                     learning_rate=cfg.learning_rate, seed=self.cfg.training.seed,
                     bf16_autocast=cfg.bf16_autocast, progress=bar.update)
-            torch.save(adapter_state(model), adapter_file)
             self.sft_tokens = result.trained_action_tokens
             meta = {"optimizer_steps": result.optimizer_steps, "episodes": result.episodes,
                     "trained_action_tokens": result.trained_action_tokens,
                     "losses": list(result.losses)}
+            # result.json first, the adapter last and atomically: an adapter never lacks its
+            # record, so a resume either reuses both or trains again
             self._write_json("sft/result.json", meta)
+            tmp = adapter_file.with_suffix(".pt.tmp")
+            torch.save(adapter_state(model), tmp)
+            os.replace(tmp, adapter_file)
             self.log_metrics("sft", meta)
             log(f"warm start: {result.optimizer_steps} steps on {result.episodes} "
                 f"demonstrations, {result.trained_action_tokens} action tokens, loss "

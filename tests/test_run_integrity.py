@@ -219,3 +219,24 @@ def test_the_run_seeds_python_numpy_and_torch() -> None:
     assert draws() == first
     _seed_all(8)
     assert all(a != b for a, b in zip(draws(), first, strict=True))
+
+
+def test_a_damaged_warm_start_names_its_file(tmp_path: Path) -> None:
+    from closedloop.training import load_warm_start
+
+    sft = tmp_path / "sft"
+    sft.mkdir()
+    torch.save({"w": torch.ones(2)}, sft / "adapter.pt")
+    (sft / "result.json").write_text('{"trained_action_tokens": 12}')
+    state, tokens = load_warm_start(sft)
+    assert tokens == 12 and torch.equal(state["w"], torch.ones(2))
+    (sft / "result.json").write_text('{"trained_action')  # torn
+    with pytest.raises(RunStateError, match=r"result\.json.*unreadable.*To recover: delete"):
+        load_warm_start(sft)
+    (sft / "result.json").write_text('{"trained_action_tokens": 12}')
+    (sft / "adapter.pt").write_bytes(b"\x80\x02garbage")
+    with pytest.raises(RunStateError, match=r"adapter\.pt.*does not load"):
+        load_warm_start(sft)
+    (sft / "result.json").unlink()
+    with pytest.raises(RunStateError, match=r"result\.json"):
+        load_warm_start(sft)

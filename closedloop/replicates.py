@@ -36,8 +36,10 @@ def replicate_config(cfg: RunConfig, index: int) -> RunConfig:
     return replace(cfg, training=replace(cfg.training, seed=cfg.training.seed + index))
 
 
-def run_replicates(cfg: RunConfig, root: str | Path, n: int) -> dict[str, Any]:
-    """Run (or resume) ``n`` replicates under ``root/replicate-<i>``; write replicates.json."""
+def run_replicates(cfg: RunConfig, root: str | Path, n: int,
+                   config_override: str | None = None) -> dict[str, Any]:
+    """Run (or resume) ``n`` replicates under ``root/replicate-<i>``; write replicates.json
+    (``config_override``: the declared reason for a config that differs from the recorded one)."""
     if n < 1:
         raise ValueError(f"--seeds must be >= 1, got {n}")
     out_dir = Path(root)
@@ -45,7 +47,8 @@ def run_replicates(cfg: RunConfig, root: str | Path, n: int) -> dict[str, Any]:
     for i in range(n):
         t0 = time.perf_counter()
         log(f"replicates: {i + 1}/{n} (training.seed {cfg.training.seed + i})")
-        result = run_experiment(replicate_config(cfg, i), out_dir / f"replicate-{i}")
+        result = run_experiment(replicate_config(cfg, i), out_dir / f"replicate-{i}",
+                                config_override)
         result["replicate"], result["training_seed"] = i, cfg.training.seed + i
         result["wall_s"] = time.perf_counter() - t0
         results.append(result)

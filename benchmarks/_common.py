@@ -33,11 +33,11 @@ def machine_label(when: str = "at start") -> str:
 
 def set_threads(threads: int) -> None:
     """Prepare the process as the ``closedloop`` command does: tune the allocator
-    (``closedloop.allocator``, printed), then set torch's intra-op threads (0 leaves the
+    (``closedloop.engine.allocator``, printed), then set torch's intra-op threads (0 leaves the
     default)."""
     import torch
 
-    from closedloop.allocator import tune_allocator
+    from closedloop.engine import tune_allocator
 
     print(f"[bench] allocator: {tune_allocator()}")
     if threads:

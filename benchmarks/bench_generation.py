@@ -21,7 +21,7 @@ run ``--seq-episodes`` episodes (default 1; the per-episode cost does not depend
 run), batched modes one group of G. Modes alternate in rotated order for ``--repeats`` and the
 ratios are medians of per-repeat ratios, all from this one process.
 
-Matmul precision (``--precision``, default ``both``; ``closedloop.policy.precision``): every mode,
+Matmul precision (``--precision``, default ``both``; ``closedloop.engine.precision``): every mode,
 the naive loop included, runs at the given precision (``HFGenerator(precision=...)``:
 ``bfloat16`` computes every Linear as float32(bf16(x) @ bf16(W)^T), fp32 master weights, the
 rest fp32). With ``both``, each repeat runs the whole mode rotation once in float32 and once in
@@ -45,8 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit, machine_label, median, rotate, set_threads
 
 from closedloop.contracts import SamplerConfig
-from closedloop.policy import ChatRenderer, HFGenerator, build_tiny_model, load_model
-from closedloop.policy.precision import PRECISIONS
+from closedloop.engine import PRECISIONS, HFGenerator
+from closedloop.policy import ChatRenderer, build_tiny_model, load_model
 
 SYSTEM = "You are a careful agent that repairs files. " * 6
 TOOLS = [{"name": n, "description": f"{n} a file in the workspace",

@@ -25,8 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit, machine_label, set_threads
 
 from closedloop.contracts import SamplerConfig, TraceWriter
+from closedloop.engine import HFGenerator
 from closedloop.envs.tasks.split import build_task_sets
-from closedloop.policy import ChatRenderer, HFGenerator, build_tiny_model, load_model
+from closedloop.policy import ChatRenderer, build_tiny_model, load_model
 from closedloop.rollout.source import GeneratorSource
 from closedloop.runtime import (
     AGENT_TOOLS,

@@ -18,7 +18,7 @@ one pass (``per_device_train_batch_size=32``), so 32 is the like-for-like settin
 Precision (``--precision``, default ``both``), the same on both sides of every ratio:
 
 - ``float32``: ours fp32 throughout; TRL ``GRPOConfig(bf16=False)``.
-- ``bfloat16``: ours with the bf16 matmul precision (``closedloop.policy.precision``: every
+- ``bfloat16``: ours with the bf16 matmul precision (``closedloop.engine.precision``: every
   Linear computes float32(bf16(x) @ bf16(W)^T), fp32 master weights, the rest fp32) in the
   generator's decode copy and in the trainer; TRL with its standard mixed precision,
   ``trl_grpo_step.py --bf16`` (``GRPOConfig(bf16=True)``: fp32 model, CPU bf16 autocast through
@@ -58,10 +58,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit, machine_label, median, set_threads
 
 from closedloop.contracts import SamplerConfig
+from closedloop.engine import PRECISIONS, HFGenerator
 from closedloop.learn.credit import grpo
 from closedloop.learn.trainer import Trainer, TrainerConfig
-from closedloop.policy import HFGenerator, attach_lora, build_tiny_model, load_model
-from closedloop.policy.precision import PRECISIONS
+from closedloop.policy import attach_lora, build_tiny_model, load_model
 from closedloop.rollout.tensors import TrainingBatch
 
 ROOT = Path(__file__).resolve().parent.parent

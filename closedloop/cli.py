@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from closedloop.allocator import tune_allocator
 from closedloop.contracts import ClosedloopError
+from closedloop.engine import tune_allocator
 
 OVERRIDE_HELP = ("resume a run directory with a config that differs from the one it "
                  "recorded; REASON and the differing keys are kept in launches.jsonl")
@@ -153,7 +153,8 @@ def cmd_collect(args: argparse.Namespace) -> int:
     from collections import Counter
 
     from closedloop.contracts import SamplerConfig, TraceWriter
-    from closedloop.policy import HFGenerator, load_model
+    from closedloop.engine import HFGenerator
+    from closedloop.policy import load_model
     from closedloop.progress import Progress, log
     from closedloop.rollout.source import GeneratorSource
     from closedloop.runtime import CollectorParts, build_manifest, make_collector, make_renderer
@@ -289,7 +290,7 @@ def _run_replicates(cfg: Any, exp_dir: Path, args: argparse.Namespace) -> int:
     from closedloop.replicates import run_replicates
 
     t0 = time.perf_counter()
-    data = run_replicates(cfg, exp_dir, args.seeds)
+    data = run_replicates(cfg, exp_dir, args.seeds, getattr(args, "override_config", None))
     lines = ["", f"== {data['n']} replicates: RL arm minus frozen, per replicate and pooled =="]
     for suite, arms in data["pooled"].items():
         for arm, entry in arms.items():
@@ -417,6 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--model", help="a local Hugging Face model folder instead")
     sm.add_argument("--seeds", type=int, metavar="N",
                     help="run N independent replicates (training.seed + 0..N-1), pooled")
+    sm.add_argument("--override-config", metavar="REASON", help=OVERRIDE_HELP)
     sm.set_defaults(fn=cmd_smoke)
     ga = sub.add_parser("gates", help="evaluate the go/no-go gates of a run directory")
     ga.add_argument("run_dir")

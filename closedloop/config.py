@@ -174,7 +174,7 @@ class TrainingSection:
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     seed: int = 0
     dtype: Literal["float32"] = "float32"
-    # Matmul precision of sampling and training (closedloop.policy.precision). On AMX CPUs
+    # Matmul precision of sampling and training (closedloop.engine.precision). On AMX CPUs
     # bfloat16 decodes ~1.4x and updates ~1.8x faster, but the generator/trainer log-prob gap
     # grows from ~1e-5 to ~1e-1: the audit bounds it by the bf16 same-engine baseline
     # (consistency.tolerance_source), or by max_abs_tolerance with the 'fixed' source.

@@ -186,7 +186,7 @@ def test_a_torn_trace_line_names_the_file(finished: Path, tiny_agent_dir: Path,
 # --------------------------------------------------------------------------- the CLI
 DRIVER = """
 import sys
-from closedloop.policy.hf_generator import HFGenerator
+from closedloop.engine import HFGenerator
 if sys.argv[1] == "fault":
     def generate_batch(self, *args, **kwargs):
         raise TypeError("a bug in the generator")

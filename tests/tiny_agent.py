@@ -28,12 +28,12 @@ from typing import Any
 import torch
 
 from closedloop.contracts import Action, Episode, SamplerConfig, sha256_hex
+from closedloop.engine import HFGenerator
 from closedloop.envs.plugin import EnvPackage, ScriptedPolicyLike
 from closedloop.envs.terminal_package import terminal_package
 from closedloop.learn.sft import sft_backward
 from closedloop.policy import (
     ChatRenderer,
-    HFGenerator,
     build_tiny_model,
     load_embedded_tokenizer,
     weights_checksum,

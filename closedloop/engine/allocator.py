@@ -12,7 +12,7 @@ alone take 6.2 ms), and the GRPO benchmark's update 7-12% less in two A/B runs.
 
 - ``M_MMAP_THRESHOLD`` = 32 MiB (glibc's maximum): blocks up to 32 MiB come from the heap and
   are reused; larger ones are still mapped and page-faulted anew on every use, which is why
-  ``policy.vocab_scoring`` projects the vocabulary in slices under it;
+  ``engine.vocab_scoring`` projects the vocabulary in slices under it;
 - ``M_TRIM_THRESHOLD`` = 1 GiB and ``M_TOP_PAD`` = 256 MiB: freed heap memory stays mapped
   for the next pass.
 

@@ -13,7 +13,7 @@ A rollout engine samples from a *published copy* of the policy, not from the tra
   end on SmolLM2 decode it measured +5-10% at 1 thread and neutral at 2 threads;
 - everything else (embeddings, norms, rotary buffers) is the copy's own tensor, synced by name.
 
-With ``precision="bfloat16"`` (``closedloop.policy.precision``) each layer instead holds the
+With ``precision="bfloat16"`` (``closedloop.engine.precision``) each layer instead holds the
 merged ``W' = W + s B A`` rounded once to bf16 (``Bf16Linear``) and computes
 ``float32(bf16(x) @ W'^T)``. The trainer rounds ``W`` and runs the factors as separate bf16
 matmuls: a different rounding of the same function. Keeping the factors unmerged here would not
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from closedloop.policy.precision import bf16_matmul, check_precision
+from closedloop.engine.precision import bf16_matmul, check_precision
 
 
 class TransposedLinear(nn.Module):

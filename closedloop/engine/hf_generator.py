@@ -21,15 +21,18 @@ Forwards run on the generator's own copy of the weights, synced from the policy 
 construction and in ``refresh_weights``: for a Llama policy (``llama_decode.supports``), the
 flat ``LlamaDecodeCopy`` (merged LoRA, fused QKV and gate/up products, grouped decode attention
 without K/V copies; it re-syncs only blocks whose weights changed), otherwise the module-tree
-``DecodeCopy`` (merged LoRA, transposed Linear weights; ``lean_decode=False`` forces it);
-``decode_copy=False`` runs the policy module itself. ``precision``
-(``closedloop.policy.precision``: ``float32`` or ``bfloat16`` matmuls) is applied the same way
-the trainer applies it, so the auditor compares like with like.
+``DecodeCopy`` (merged LoRA, transposed Linear weights), which serves any other causal LM a
+local model folder may hold. ``precision`` (``closedloop.engine.precision``: ``float32`` or
+``bfloat16`` matmuls) is applied the same way the trainer applies it, so the auditor compares
+like with like. Three switches exist for comparison only (benchmarks and tests):
+``lean_decode=False`` forces the module copy on a Llama, ``decode_copy=False`` runs the policy
+module itself, ``reprefill=True`` drops the caches.
 
 The last sampled id of an action is not fed to the model: it is the first pending id of the next
 turn. Sampling draws one float64 uniform per live row from the ``torch.Generator`` per step
 (``closedloop.policy.sampling.sample``), so samples are reproducible for a given seed *and*
-batch composition.
+batch composition. ``closedloop.engine.reference.reference_generate`` is the same sampling
+without caches or copies.
 """
 
 from __future__ import annotations
@@ -43,7 +46,9 @@ from typing import Any
 import torch
 
 from closedloop.contracts import TOOL_CALL_CLOSE, SamplerConfig
-from closedloop.policy.decode_copy import DecodeCopy
+from closedloop.engine.decode_copy import DecodeCopy
+from closedloop.engine.llama_decode import LlamaDecodeCopy, supports
+from closedloop.engine.precision import check_precision, matmul_precision
 from closedloop.policy.generator import (
     ContextOverflowError,
     FinishReason,
@@ -52,8 +57,6 @@ from closedloop.policy.generator import (
     StopMatcher,
     default_stop_token_ids,
 )
-from closedloop.policy.llama_decode import LlamaDecodeCopy, supports
-from closedloop.policy.precision import check_precision, matmul_precision
 from closedloop.policy.sampling import sample_step
 
 SessionId = int
@@ -93,20 +96,19 @@ class HFGenerator:
 
     ``stop_token_ids`` default to ``default_stop_token_ids(tokenizer)`` (EOS, ``<|im_end|>``,
     ``<|endoftext|>``); ``stop_sequences`` and the ``seed`` of ``self.rng`` are the defaults of
-    ``generate_batch`` calls that pass none. ``growing_cache=False`` uses transformers' plain
-    ``DynamicLayer`` (re-concatenates the cache every step) instead of ``kv_cache.GrowingKVLayer``.
-    ``max_context`` (default ``config.max_position_embeddings``) bounds context + new ids: a
-    batch with a session that could exceed it raises ``ContextOverflowError`` (check
-    ``remaining(session)`` first). ``weight_checksum`` is computed from the model unless given;
-    call ``refresh_weights`` after changing the weights in place (it re-syncs the decode copy
-    and drops every KV cache: they belong to old weights). Until then the generator keeps
+    ``generate_batch`` calls that pass none. ``max_context`` (default
+    ``config.max_position_embeddings``) bounds context + new ids: a batch with a session that
+    could exceed it raises ``ContextOverflowError`` (check ``remaining(session)`` first).
+    ``weight_checksum`` is computed from the model unless given; call ``refresh_weights`` after
+    changing the weights in place (it re-syncs the decode copy and drops every KV cache: they
+    belong to old weights). Until then the generator keeps
     sampling from the weights it last synced, as a rollout engine keeps its published weights.
     """
 
     def __init__(self, model: Any, tokenizer: Any, *, weight_checksum: str | None = None,
                  reprefill: bool = False, stop_token_ids: Sequence[int] | None = None,
                  stop_sequences: Sequence[str] = (TOOL_CALL_CLOSE,), seed: int = 0,
-                 growing_cache: bool = True, max_context: int | None = None,
+                 max_context: int | None = None,
                  decode_copy: bool = True, precision: str = "float32",
                  lean_decode: bool = True) -> None:
         self.model = model
@@ -118,7 +120,6 @@ class HFGenerator:
             self._decode = DecodeCopy(model, precision)
         self.max_context = int(max_context or getattr(model.config, "max_position_embeddings",
                                                       None) or 2**31 - 1)
-        self.growing_cache = growing_cache
         self.stop_sequences = tuple(stop_sequences)
         self.rng = torch.Generator().manual_seed(seed)
         self.tokenizer = tokenizer
@@ -291,8 +292,9 @@ class HFGenerator:
             masks.append([0] * (c_max - st.n_cached) + [1] * st.n_cached
                          + [0] * (p_max - p) + [1] * p)
             positions.append([0] * (p_max - p) + list(range(st.n_cached, st.n_cached + p)))
-        cache = _new_cache([st.kv for st in firsts], c_max, c_max + p_max + max_new,
-                           self.growing_cache)
+        from closedloop.engine.kv_cache import batch_cache  # imports transformers
+
+        cache = batch_cache([st.kv for st in firsts], c_max, c_max + p_max + max_new)
         mask_U_L = torch.tensor(masks)
         pos_U_P = torch.tensor(positions)
         logits_U_V = self._forward(torch.tensor(inputs), mask_U_L, pos_U_P, cache)
@@ -320,7 +322,7 @@ class HFGenerator:
 
     def _finish(self, st: _Session, row: _Row, cache: Any, j: int, mask_L: torch.Tensor) -> None:
         """Hand a finished row's ids and its cache (padding squeezed out) back to its session."""
-        from closedloop.policy.kv_cache import row_cache
+        from closedloop.engine.kv_cache import row_cache
 
         st.kv = None if self.reprefill else row_cache(cache, j, mask_L)
         st.ids.extend(row.ids)
@@ -362,19 +364,3 @@ def compaction_order(alive: Sequence[bool]) -> list[int]:
     n = sum(1 for a in alive if a)
     movers = [j for j in range(n, len(alive)) if alive[j]]
     return [j if alive[j] else movers.pop() for j in range(n)]
-
-
-def _new_cache(caches: list[KV | None], c_max: int, reserve: int, growing: bool) -> Any:
-    """Stack session caches into one batch cache: in-place growing layers, or plain
-    ``DynamicLayer`` ones (which ``torch.cat`` on every step; kept for benchmarks)."""
-    from closedloop.policy.kv_cache import batch_cache
-
-    if growing:
-        return batch_cache(caches, c_max, reserve)
-    from transformers import DynamicCache
-
-    if c_max == 0:
-        return DynamicCache()
-    padded = batch_cache(caches, c_max, c_max)
-    data = [(layer.keys, layer.values) for layer in padded.layers]
-    return DynamicCache(ddp_cache_data=data)

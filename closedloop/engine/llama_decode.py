@@ -48,8 +48,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from closedloop.policy.decode_copy import effective_bias, effective_weight, is_mergeable_lora
-from closedloop.policy.precision import bf16_matmul, check_precision
+from closedloop.engine.decode_copy import effective_bias, effective_weight, is_mergeable_lora
+from closedloop.engine.precision import bf16_matmul, check_precision
 
 _PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")

@@ -13,7 +13,7 @@ computes only the action positions. Real tokens must be contiguous in each row (
 padding); positions are ``cumsum(m) - 1``, as in the generator.
 
 Memory: the vocabulary projection runs only at the ``N`` target positions, in chunks of
-``chunk_size`` rows, as ``logit[x] - logsumexp(logits)`` (``closedloop.policy.vocab_scoring``:
+``chunk_size`` rows, as ``logit[x] - logsumexp(logits)`` (``closedloop.engine.vocab_scoring``:
 vocabulary slices kept in the heap, an in-place backward): no ``[B, T, V]`` log-softmax and no
 ``[B, T, V]`` logits. Gradients flow (call under ``torch.no_grad()`` to score without them).
 """
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from closedloop.contracts import ContractError
-from closedloop.policy.vocab_scoring import target_logprobs
+from closedloop.engine.vocab_scoring import target_logprobs
 
 
 class LogprobInputError(ContractError):

@@ -20,7 +20,8 @@ which compute the same function), and scatters the real rows back to packed orde
 gathered from a real token of the same segment, so every value is finite; every query row sees at
 least one real key (its prefix has ``p >= 1``), so no softmax row is empty. The gathers are
 ``index_select`` (their backward sums the siblings' cotangents into their shared prefix keys and
-values). The result equals the two-pass layout up to floating-point summation order.
+values). The result equals the unshared ``sequence_logprobs`` up to floating-point summation
+order.
 """
 
 from __future__ import annotations

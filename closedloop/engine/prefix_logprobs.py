@@ -1,42 +1,26 @@
 """Log-probs of realized tokens with each distinct prompt prefix forwarded once (exact).
 
-Same output contract as ``closedloop.policy.logprobs.sequence_logprobs`` (float32 ``[B, T-1]``,
-``out[b, t] = log π(x[b, t+1] | x[b, <=t])`` where the target mask is 1, else 0), computed so
+Same output contract as ``closedloop.engine.logprobs.sequence_logprobs`` (float32 ``[B, T-1]``,
+``out[b, t] = log softmax(z / τ)[x[b, t+1]]`` where the target mask is 1, else 0), computed so
 that rows sharing a prefix (GRPO siblings: one prompt, G completions) run it through the decoder
 once instead of G times. ``prefix_len_B[b] = p`` names the prefix ``x[b, :p]``; rows are
 deduplicated by the exact tuple of their prefix ids.
 
-For decoders whose attention is ``sdpa`` or ``eager`` (``packed_prefix.packs``), the rows with
-``p > 0`` take **one decoder call over unpadded tokens**: every distinct prefix once, then every
-row's suffix ``x[b, p:len_b]``, in one packed row with explicit positions, and an attention that
-lets each suffix see its own prefix and its own earlier tokens (``closedloop.policy.
-packed_prefix``). The dense work (projections, MLPs, norms) then runs on real tokens only.
-
-Otherwise they take **two passes over a shared cache**:
-
-1. prefix pass: the ``U`` distinct prefixes, right-padded to ``L = max p`` (mask ``1..1 0..0``,
-   positions ``0..L-1``), through the decoder with ``use_cache=True``. Right padding keeps every
-   query row attending to at least one real key: a fully masked row would make SDPA return NaN,
-   and a NaN key/value in the cache poisons the masked-out sum (``0 * NaN``) and its gradient;
-2. the cache's keys/values are expanded from ``U`` rows to ``S`` rows with ``index_select``
-   (differentiable: the backward sums the siblings' cotangents into their shared prefix);
-3. suffix pass: ``x[b, p:len_b]`` right-padded to ``Ls``, attention mask
-   ``cat(prefix mask of b's prefix, suffix mask)``, positions ``p + 0..Ls-1``. The padded
-   prefix slots between a short prefix and its suffix are masked (0) and positions are
-   explicit, so a row sees exactly ``x[b, :len_b]`` at positions ``0..len_b-1``.
-
-In both layouts the hidden state predicting target ``t`` is the prefix's at ``t`` if ``t < p``
-(``t = p - 1`` predicts the first suffix token) else the suffix's at ``t - p``; the vocabulary
-projection runs at target positions only, in chunks, as ``logit[x] - logsumexp(logits)``.
+The rows with ``p > 0`` take **one decoder call over unpadded tokens**: every distinct prefix
+once, then every row's suffix ``x[b, p:len_b]``, in one packed row with explicit positions, and
+an attention that lets each suffix see its own prefix and its own earlier tokens
+(``closedloop.engine.packed_prefix``; the decoder's attention must be ``sdpa`` or ``eager``, the
+two a CPU model loads with, else ``LogprobInputError``). The dense work (projections, MLPs,
+norms) then runs on real tokens only. The hidden state predicting target ``t`` is the prefix's
+at ``t`` if ``t < p`` (``t = p - 1`` predicts the first suffix token) else the suffix's at
+``t - p``; the vocabulary projection runs at target positions only, in chunks, as
+``logit[x] - logsumexp(logits)``.
 
 Rows with ``p = 0`` and at least one target go through ``sequence_logprobs`` (one more decoder
 call); rows without targets are all zeros and are not forwarded. A row whose prefix nobody else
-shares is still exact in the shared path (a group of one, same token count). Equal to the
-unshared path up to floating-point summation order (attention over a concatenated cache, the
-gradient summed over siblings). With dropout > 0 the siblings share one dropout mask on the
-prefix. The two-pass layout supports the decoders whose cache is made of transformers
-``DynamicLayer`` (full attention, e.g. Llama); both layouts are tested with the ``sdpa`` and
-``eager`` attention implementations (the two-pass one by forcing it).
+shares is still exact (a group of one, same token count). Equal to the unshared path up to
+floating-point summation order (attention over gathered keys, the gradient summed over
+siblings). With dropout > 0 the siblings share one dropout mask on the prefix.
 """
 
 from __future__ import annotations
@@ -45,14 +29,14 @@ from typing import Any
 
 import torch
 
-from closedloop.policy.logprobs import (
+from closedloop.engine.logprobs import (
     LogprobInputError,
     _decoder_and_head,
     checked_targets,
     sequence_logprobs,
 )
-from closedloop.policy.packed_prefix import packed_decoder_call, packed_layout, packs
-from closedloop.policy.vocab_scoring import target_logprobs
+from closedloop.engine.packed_prefix import packed_decoder_call, packed_layout, packs
+from closedloop.engine.vocab_scoring import target_logprobs
 
 
 def prompt_prefix_lengths(target_mask_B_T: torch.Tensor) -> torch.Tensor:
@@ -117,43 +101,18 @@ def _shared_rows(model: Any, ids_S_T: torch.Tensor, mask_S_T: torch.Tensor,
     """Log-probs ``[S, T-1]`` of right-padded rows whose prefixes ``p_S`` are all >= 1."""
     decoder, head = _decoder_and_head(model)
     pre_ids_U_L, pre_len_U, inv_S = _unique_prefixes(ids_S_T, p_S)
+    if not packs(decoder):
+        attention = getattr(decoder.config, "_attn_implementation", None)
+        raise LogprobInputError(f"shared-prefix scoring needs sdpa or eager attention, got "
+                                f"{attention!r} (score with share_prompt_prefix=False)")
     tgt_N = ids_S_T[:, 1:][sel_S_Tm1]
     out_S_Tm1 = torch.zeros(sel_S_Tm1.shape, dtype=torch.float32, device=ids_S_T.device)
-    if packs(decoder):
-        suf_ids_S_Ls, suf_mask_S_Ls = _suffixes(ids_S_T, mask_S_T, p_S)
-        layout = packed_layout(pre_ids_U_L, pre_len_U, suf_ids_S_Ls, suf_mask_S_Ls.sum(1), inv_S)
-        hidden_N_H = _target_rows(packed_decoder_call(decoder, layout), layout.pre_start_U,
-                                  layout.suf_start_S, sel_S_Tm1, p_S, inv_S)
-    else:
-        hidden_N_H = _two_pass_target_hidden(decoder, ids_S_T, mask_S_T, sel_S_Tm1, p_S,
-                                             pre_ids_U_L, pre_len_U, inv_S)
+    suf_ids_S_Ls, suf_mask_S_Ls = _suffixes(ids_S_T, mask_S_T, p_S)
+    layout = packed_layout(pre_ids_U_L, pre_len_U, suf_ids_S_Ls, suf_mask_S_Ls.sum(1), inv_S)
+    hidden_N_H = _target_rows(packed_decoder_call(decoder, layout), layout.pre_start_U,
+                              layout.suf_start_S, sel_S_Tm1, p_S, inv_S)
     lp_N = target_logprobs(head, hidden_N_H, tgt_N, chunk_size, temperature=temperature)
     return out_S_Tm1.masked_scatter(sel_S_Tm1, lp_N)
-
-
-def _two_pass_target_hidden(decoder: Any, ids_S_T: torch.Tensor, mask_S_T: torch.Tensor,
-                            sel_S_Tm1: torch.Tensor, p_S: torch.Tensor,
-                            pre_ids_U_L: torch.Tensor, pre_len_U: torch.Tensor,
-                            inv_S: torch.Tensor) -> torch.Tensor:
-    """Target hidden states from a prefix pass and a suffix pass over a shared cache."""
-    u_count, length = pre_ids_U_L.shape
-    ar_L = torch.arange(length, device=ids_S_T.device)
-    pre_mask_U_L = (ar_L[None, :] < pre_len_U[:, None]).long()
-    pre = decoder(input_ids=pre_ids_U_L, attention_mask=pre_mask_U_L,
-                  position_ids=ar_L[None, :].expand(u_count, -1), use_cache=True)
-    cache = _expand_cache(pre.cache, inv_S)
-    suf_ids_S_Ls, suf_mask_S_Ls = _suffixes(ids_S_T, mask_S_T, p_S)
-    s_len = suf_ids_S_Ls.shape[1]
-    attn_S_L = torch.cat([pre_mask_U_L.index_select(0, inv_S), suf_mask_S_Ls], dim=1)
-    pos_S_Ls = p_S[:, None] + torch.arange(s_len, device=ids_S_T.device)[None, :]
-    suf = decoder(input_ids=suf_ids_S_Ls, attention_mask=attn_S_L, position_ids=pos_S_Ls,
-                  cache=cache, use_cache=True)
-    hid = pre.last_hidden_state.shape[-1]
-    both = torch.cat([pre.last_hidden_state.reshape(-1, hid),
-                      suf.last_hidden_state.reshape(-1, hid)])
-    starts_U = torch.arange(u_count, device=ids_S_T.device) * length
-    starts_S = u_count * length + torch.arange(len(p_S), device=ids_S_T.device) * s_len
-    return _target_rows(both, starts_U, starts_S, sel_S_Tm1, p_S, inv_S)
 
 
 def _unique_prefixes(ids_S_T: torch.Tensor, p_S: torch.Tensor
@@ -175,20 +134,6 @@ def _unique_prefixes(ids_S_T: torch.Tensor, p_S: torch.Tensor
             torch.tensor(inv, dtype=torch.long, device=device))
 
 
-def _expand_cache(cache: Any, inv_S: torch.Tensor) -> Any:
-    """Return a new ``DynamicCache`` whose row ``s`` is row ``inv_S[s]`` of ``cache`` (autograd)."""
-    from transformers.cache_utils import DynamicCache, DynamicLayer
-
-    layers = getattr(cache, "layers", None)
-    if not layers or any(type(layer) is not DynamicLayer for layer in layers):
-        kinds = sorted({type(layer).__name__ for layer in layers or []})
-        raise LogprobInputError(f"shared-prefix scoring needs a cache of full-attention "
-                                f"DynamicLayer layers, got {kinds or type(cache).__name__}")
-    return DynamicCache(ddp_cache_data=[(layer.keys.index_select(0, inv_S),
-                                         layer.values.index_select(0, inv_S))
-                                        for layer in layers])
-
-
 def _suffixes(ids_S_T: torch.Tensor, mask_S_T: torch.Tensor, p_S: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return each row's ids after its prefix, right-padded with 0, and their mask ``[S, Ls]``."""
@@ -204,9 +149,9 @@ def _target_rows(hidden_R_H: torch.Tensor, pre_start_U: torch.Tensor, suf_start_
                  sel_S_Tm1: torch.Tensor, p_S: torch.Tensor, inv_S: torch.Tensor) -> torch.Tensor:
     """Return the hidden states ``[N, H]`` predicting the targets, in ``sel`` row-major order.
 
-    ``hidden_R_H`` holds every prefix's positions from row ``pre_start_U[u]`` on and every
-    suffix's from row ``suf_start_S[s]`` on. Target ``(s, t)`` reads prefix ``inv_S[s]`` at
-    ``t`` when ``t < p_S[s]``, else suffix ``s`` at ``t - p_S[s]``.
+    ``hidden_R_H`` (the packed row) holds every prefix's positions from row ``pre_start_U[u]``
+    on and every suffix's from row ``suf_start_S[s]`` on. Target ``(s, t)`` reads prefix
+    ``inv_S[s]`` at ``t`` when ``t < p_S[s]``, else suffix ``s`` at ``t - p_S[s]``.
     """
     s_N, t_N = torch.nonzero(sel_S_Tm1, as_tuple=True)
     p_N = p_S[s_N]

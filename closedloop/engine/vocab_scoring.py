@@ -18,7 +18,7 @@ into ``dz`` in place (``sub_``, ``exp_``, ``mul_``, one scatter): no ``[N, V]`` 
 zero fill. No-grad calls (the reference pass) keep nothing and reduce each slice in place. A
 second backward through the same graph (``retain_graph=True``) recomputes the slices.
 
-The matmul precision of the head is kept (``closedloop.policy.precision``): under ``bfloat16``
+The matmul precision of the head is kept (``closedloop.engine.precision``): under ``bfloat16``
 both products round their operands to bf16 and accumulate in fp32, as ``nn.Linear`` under
 ``matmul_precision`` does, forward and backward. Heads that are not a plain float32
 ``nn.Linear`` (a LoRA-wrapped head, a patched forward, a model cast to bf16, a forward under
@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from closedloop.policy.precision import bf16_matmul, bf16_weight, linear_precision
+from closedloop.engine.precision import bf16_matmul, bf16_weight, linear_precision
 
 SLICE_BYTES = 24 * 2**20  # under glibc's 32 MiB mmap threshold: slices are recycled in the heap
 

@@ -32,8 +32,12 @@ from typing import Any
 import torch
 
 from closedloop.contracts import ContractError, Episode, SamplerConfig
-from closedloop.policy.precision import drop_bf16_copies, matmul_precision, precision_label
-from closedloop.policy.prefix_logprobs import trainer_path_logprobs
+from closedloop.engine import (
+    drop_bf16_copies,
+    matmul_precision,
+    precision_label,
+    trainer_path_logprobs,
+)
 from closedloop.rollout.tensors import (
     ShiftedTargets,
     TrainingBatch,
@@ -76,7 +80,7 @@ def audit_logprobs(model: Any, episodes: Sequence[Episode], weight_checksum: str
     ``sampler`` (the episodes' sampler) selects what is compared (module doc); ``None`` compares
     the raw log-probs at temperature 1.
 
-    ``precision`` is the trainer's matmul precision (``closedloop.policy.precision``); it is
+    ``precision`` is the trainer's matmul precision (``closedloop.engine.precision``); it is
     reported as ``trainer_dtype`` (``float32``, or ``bfloat16-matmul`` over float32 masters).
     """
     tempered = sampler is not None and sampler.top_k is None and sampler.top_p >= 1.0

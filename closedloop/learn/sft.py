@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from closedloop.contracts import Episode
-from closedloop.policy.logprobs import sequence_logprobs
+from closedloop.engine import sequence_logprobs
 from closedloop.rollout.tensors import build_training_batch, shift_targets
 
 

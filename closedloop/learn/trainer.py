@@ -25,12 +25,11 @@ from typing import Any
 
 import torch
 
+from closedloop.engine import check_precision, matmul_precision, trainer_path_logprobs
 from closedloop.learn.credit import LearnError
 from closedloop.learn.kl import KLSpec
 from closedloop.learn.objectives import ClipRange, ObjectiveInputs, ObjectiveOutput, get_objective
 from closedloop.learn.reducers import reducer_weights
-from closedloop.policy.precision import check_precision, matmul_precision
-from closedloop.policy.prefix_logprobs import trainer_path_logprobs
 from closedloop.rollout.tensors import ShiftedTargets, TrainingBatch, shift_targets
 
 Metrics = dict[str, float | int | None]
@@ -50,7 +49,7 @@ class TrainerConfig:
     micro_batch_size: int = 4
     weight_decay: float = 0.0
     share_prompt_prefix: bool = True  # forward each micro-batch's distinct prompts once (exact)
-    precision: str = "float32"  # matmul precision (closedloop.policy.precision), as sampled
+    precision: str = "float32"  # matmul precision (closedloop.engine.precision), as sampled
     # The sampler's temperature: πθ and π_ref are scored as softmax(logits / temperature), the
     # distribution that drew the tokens, so a fresh synchronous batch has ratio πθ/π_beh = 1.
     temperature: float = 1.0

@@ -1,7 +1,10 @@
-"""The policy layer: model loading, chat rendering on token ids, generation, log-probs, LoRA.
+"""The policy layer: what the policy *is*. Model loading, chat rendering on token ids, the
+``Generator`` contract and the sampler's distribution, weight checksums, LoRA, the registry.
 
-Importing this package loads no model and imports no ``transformers``/``peft`` (they are imported
-inside the functions that need them).
+How the policy is run fast (the generator, trainer-path log-probs, matmul precision) is the
+engine's (``closedloop.engine``), which builds on this layer. Importing this package loads no
+model and imports no ``transformers``/``peft`` (they are imported inside the functions that need
+them).
 """
 
 from closedloop.policy.chat import (
@@ -23,8 +26,6 @@ from closedloop.policy.generator import (
     StopMatcher,
     default_stop_token_ids,
 )
-from closedloop.policy.hf_generator import GeneratorStats, HFGenerator, SessionId
-from closedloop.policy.logprobs import LogprobInputError, sequence_logprobs
 from closedloop.policy.lora import (
     AdapterError,
     PolicyChecksum,
@@ -42,7 +43,6 @@ from closedloop.policy.model_loader import (
     load_tokenizer,
     tokenizer_revision,
 )
-from closedloop.policy.prefix_logprobs import prompt_prefix_lengths, shared_prefix_logprobs
 from closedloop.policy.sampling import sample, sample_step, transform_logits
 from closedloop.policy.tiny_model import build_tiny_model, load_embedded_tokenizer
 from closedloop.policy.weights import combine_checksums, weights_checksum
@@ -54,12 +54,9 @@ __all__ = [  # noqa: RUF022 -- grouped by topic, sorted within each group
     # chat rendering on token ids
     "CHATML_TOOLS", "ChatMLToolTemplate", "ChatMessage", "ChatRenderer", "ChatTemplateError",
     "SampleTurn", "TemplateReport", "check_append_only",
-    # generation
+    # the generator contract and the sampler's distribution
     "ContextOverflowError", "FinishReason", "Generation", "GenerationError", "Generator",
-    "GeneratorStats", "HFGenerator", "SessionId", "StopMatcher", "default_stop_token_ids",
-    # sampling and log-probs
-    "LogprobInputError", "prompt_prefix_lengths", "sample", "sample_step", "sequence_logprobs",
-    "shared_prefix_logprobs", "transform_logits",
+    "StopMatcher", "default_stop_token_ids", "sample", "sample_step", "transform_logits",
     # weights identity and LoRA
     "AdapterError", "PolicyChecksum", "attach_lora", "combine_checksums", "load_adapter",
     "policy_weight_checksum", "save_adapter", "split_state_dict", "weights_checksum",

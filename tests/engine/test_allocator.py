@@ -6,7 +6,7 @@ import platform
 import pytest
 import torch
 
-from closedloop import allocator
+from closedloop.engine import allocator
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc only")

@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from closedloop.contracts import SamplerConfig
-from closedloop.policy import HFGenerator, attach_lora, build_tiny_model
-from closedloop.policy.decode_copy import DecodeCopy, TransposedLinear
+from closedloop.engine import HFGenerator
+from closedloop.engine.decode_copy import DecodeCopy, TransposedLinear
+from closedloop.policy import attach_lora, build_tiny_model
 
 GREEDY = SamplerConfig(greedy=True)
 

@@ -4,11 +4,12 @@ import pytest
 import torch
 
 from closedloop.contracts import SamplerConfig
-from closedloop.policy import HFGenerator, attach_lora, build_tiny_model, llama_decode
-from closedloop.policy.decode_copy import DecodeCopy
-from closedloop.policy.kv_cache import batch_cache
-from closedloop.policy.llama_decode import LlamaDecodeCopy, onednn_bf16_packing, supports
-from tests.policy.test_decode_copy import _perturb_lora as _perturb
+from closedloop.engine import HFGenerator, llama_decode
+from closedloop.engine.decode_copy import DecodeCopy
+from closedloop.engine.kv_cache import batch_cache
+from closedloop.engine.llama_decode import LlamaDecodeCopy, onednn_bf16_packing, supports
+from closedloop.policy import attach_lora, build_tiny_model
+from tests.engine.test_decode_copy import _perturb_lora as _perturb
 
 
 def _lora(tokenizer, seed=0, kv_heads=None):

@@ -2,7 +2,7 @@
 that follows in-place changes, LoRA gradients, and the decode copy, generator, auditor and trainer
 that apply it.
 
-The rule (``closedloop.policy.precision``): ``y = float32(bf16(x) @ bf16(W)^T) + b`` for every
+The rule (``closedloop.engine.precision``): ``y = float32(bf16(x) @ bf16(W)^T) + b`` for every
 ``nn.Linear``, float32 master weights, everything else float32. torch's bf16 GEMM accumulates in
 float32 and returns bf16, so a Linear's output carries bf16's 8-bit significand (unit roundoff
 2^-8 ~ 0.4%); the bounds below are stated in those units of the quantity compared.
@@ -15,23 +15,24 @@ import torch
 from torch import nn
 
 from closedloop.contracts import Episode, SamplerConfig
-from closedloop.learn.audit import audit_logprobs
-from closedloop.learn.trainer import Trainer, TrainerConfig
-from closedloop.policy import HFGenerator, attach_lora, build_tiny_model, sequence_logprobs
-from closedloop.policy.decode_copy import (
+from closedloop.engine import HFGenerator, sequence_logprobs
+from closedloop.engine.decode_copy import (
     Bf16Linear,
     DecodeCopy,
     TransposedLinear,
     effective_weight,
 )
-from closedloop.policy.precision import (
+from closedloop.engine.precision import (
     PRECISIONS,
     PrecisionError,
     check_precision,
     drop_bf16_copies,
     matmul_precision,
 )
-from closedloop.policy.prefix_logprobs import trainer_path_logprobs
+from closedloop.engine.prefix_logprobs import trainer_path_logprobs
+from closedloop.learn.audit import audit_logprobs
+from closedloop.learn.trainer import Trainer, TrainerConfig
+from closedloop.policy import attach_lora, build_tiny_model
 from closedloop.rollout.tensors import build_training_batch
 from tests.factories import H, make_traj, make_turn
 
@@ -450,11 +451,17 @@ def test_bf16_trainer_step_trains_the_adapter_and_restores(tokenizer):
     want = _logits(DecodeCopy(model), ids)
     assert float((_logits(model, ids) - want).abs().max()) < 1e-4
 
+
 def test_a_failing_bf16_step_restores_the_plain_forward(tokenizer):
     model = _lora_model(tokenizer)
     batch = build_training_batch(_on_policy_episodes(model, n=2))
-    trainer = Trainer(model, TrainerConfig(objective="nope", kl_beta=0.0, precision=BF16))
-    with pytest.raises(ValueError, match="unknown objective"):  # raised after the forward
+    trainer = Trainer(model, TrainerConfig(kl_beta=0.0, precision=BF16))
+
+    def failing(_inputs):
+        raise RuntimeError("objective failed")
+
+    trainer.objective = failing  # raises after the forward, inside the precision block
+    with pytest.raises(RuntimeError, match="objective failed"):
         trainer.step(batch, torch.tensor([1.0, -1.0]))
     assert not _bound(model)
     assert any(CACHE in m.__dict__ for m in model.modules())  # the bf16 forward did run

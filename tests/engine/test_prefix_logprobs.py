@@ -1,24 +1,19 @@
-"""Shared-prefix log-probs equal the unshared ones (values, LoRA gradients, reference pass).
-
-Each equality is checked on both layouts: the packed one-call layout (sdpa and eager) and the
-two-pass layout over a shared cache (every other attention implementation).
-"""
+"""Shared-prefix log-probs equal the unshared ones (values, LoRA gradients, reference pass),
+on the packed one-call layout, with the sdpa and the eager attention."""
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from closedloop.policy import (
+from closedloop.engine import (
     LogprobInputError,
-    attach_lora,
-    build_tiny_model,
     prompt_prefix_lengths,
     sequence_logprobs,
     shared_prefix_logprobs,
 )
-from closedloop.policy import prefix_logprobs as prefix_module
-from closedloop.policy.logprobs import _decoder_and_head
+from closedloop.engine.logprobs import _decoder_and_head
+from closedloop.policy import attach_lora, build_tiny_model
 
 PROMPT_LENS = (7, 11, 9)  # three groups of four siblings; then one row with its own prompt
 
@@ -72,14 +67,6 @@ def grouped_rows(seed=0):
     return ids, attn, act[:, 1:], torch.tensor(prompts)
 
 
-@pytest.fixture(params=["packed", "two_pass"])
-def layout(request, monkeypatch):
-    """Run the test on the packed layout, or force the two-pass one."""
-    if request.param == "two_pass":
-        monkeypatch.setattr(prefix_module, "packs", lambda _decoder: False)
-    return request.param
-
-
 def trainable(model):
     return [p for p in model.parameters() if p.requires_grad]
 
@@ -93,7 +80,7 @@ def test_prompt_prefix_lengths_is_the_prompt_before_the_first_action():
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_values_equal_the_unshared_path(tokenizer, model, attn, layout):
+def test_values_equal_the_unshared_path(tokenizer, model, attn):
     m = model if attn == "sdpa" else lora_model(tokenizer, attn)
     ids, mask, target, _ = grouped_rows()
     with torch.no_grad():
@@ -104,7 +91,7 @@ def test_values_equal_the_unshared_path(tokenizer, model, attn, layout):
     assert bool((got[target == 0] == 0).all())
 
 
-def test_gradients_equal_the_unshared_path(model, layout):
+def test_gradients_equal_the_unshared_path(model):
     ids, mask, target, _ = grouped_rows(seed=1)
     w = torch.randn(target.shape, generator=torch.Generator().manual_seed(7))
     params = trainable(model)
@@ -118,7 +105,7 @@ def test_gradients_equal_the_unshared_path(model, layout):
         torch.testing.assert_close(g_got, g_want, rtol=1e-5, atol=1e-5 * scale)
 
 
-def test_reference_pass_without_the_adapter_equals_the_unshared_path(model, layout):
+def test_reference_pass_without_the_adapter_equals_the_unshared_path(model):
     ids, mask, target, _ = grouped_rows(seed=2)
     with torch.no_grad():
         adapted = shared_prefix_logprobs(model, ids, mask, target)
@@ -129,7 +116,7 @@ def test_reference_pass_without_the_adapter_equals_the_unshared_path(model, layo
     assert float((adapted - got).abs().max()) > 1e-2  # the adapter changes the scores
 
 
-def test_explicit_prefixes_targets_inside_them_and_plain_rows(model, layout):
+def test_explicit_prefixes_targets_inside_them_and_plain_rows(model):
     # Prefixes shorter than the prompt (targets at t < p - 1 read the prefix pass), rows with
     # p = 0 (the plain path), a target-free row (never forwarded) all agree with the reference.
     ids, mask, _, prompts = grouped_rows(seed=3)
@@ -144,7 +131,7 @@ def test_explicit_prefixes_targets_inside_them_and_plain_rows(model, layout):
     assert bool((got[5] == 0).all())
 
 
-def test_each_distinct_prompt_is_forwarded_once(model, layout):
+def test_each_distinct_prompt_is_forwarded_once(model):
     ids, mask, target, prompts = grouped_rows(seed=4)
     decoder, _ = _decoder_and_head(model)
     fed = []  # (query slots, real query tokens) per decoder call
@@ -168,11 +155,7 @@ def test_each_distinct_prompt_is_forwarded_once(model, layout):
     once = real - int(prompts.sum()) + sum((*PROMPT_LENS, 5))
     assert sum(r for _, r in fed[:shared_calls]) == once
     assert fed[shared_calls] == (ids.numel(), real)
-    if layout == "packed":
-        assert fed[:shared_calls] == [(once, once)]  # one call, no padding at all
-    else:
-        assert shared_calls == 2  # one prefix pass, one suffix pass
-        assert sum(n for n, _ in fed[:2]) < 0.7 * ids.numel()
+    assert fed[:shared_calls] == [(once, once)]  # one call, no padding at all
 
 
 def test_invalid_prefixes_are_refused(model):
@@ -187,6 +170,14 @@ def test_invalid_prefixes_are_refused(model):
                                prefix_len_B=prompts)
 
 
+def test_an_attention_that_cannot_pack_is_refused(model, monkeypatch):
+    ids, mask, target, _ = grouped_rows()
+    decoder, _ = _decoder_and_head(model)
+    monkeypatch.setattr(decoder.config, "_attn_implementation", "flash_attention_2")
+    with pytest.raises(LogprobInputError, match="sdpa or eager"), torch.no_grad():
+        shared_prefix_logprobs(model, ids, mask, target)
+
+
 def test_packed_call_restores_the_attention_implementation(model, monkeypatch):
     ids, mask, target, _ = grouped_rows()
     decoder, _ = _decoder_and_head(model)
@@ -197,7 +188,7 @@ def test_packed_call_restores_the_attention_implementation(model, monkeypatch):
     def broken(*_args, **_kwargs):
         raise RuntimeError("attention failed")
 
-    from closedloop.policy import packed_prefix
+    from closedloop.engine import packed_prefix
     monkeypatch.setattr(packed_prefix, "packed_attention", broken)
     with pytest.raises(RuntimeError, match="attention failed"), torch.no_grad():
         shared_prefix_logprobs(model, ids, mask, target)

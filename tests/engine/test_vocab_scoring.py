@@ -1,4 +1,4 @@
-"""Target log-probs through the vocabulary head (``closedloop.policy.vocab_scoring``): values and
+"""Target log-probs through the vocabulary head (``closedloop.engine.vocab_scoring``): values and
 gradients equal autograd over ``logits[x] - logsumexp(logits)`` for plain and bf16 heads, with
 and without bias and a trainable head, across vocabulary slices and row chunks; no-grad calls
 equal the grad calls; a head that is not a plain Linear takes the generic path."""
@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-import closedloop.policy.logprobs as logprobs_mod
-from closedloop.policy import attach_lora, build_tiny_model, sequence_logprobs
-from closedloop.policy.precision import linear_precision, matmul_precision
-from closedloop.policy.vocab_scoring import target_logprobs
+from closedloop.engine import reference_logprobs, sequence_logprobs
+from closedloop.engine.precision import linear_precision, matmul_precision
+from closedloop.engine.vocab_scoring import target_logprobs
+from closedloop.policy import attach_lora, build_tiny_model
 
 
 def _reference(head: nn.Module, h: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
@@ -146,27 +146,45 @@ def test_no_targets_give_an_empty_result():
     assert out.shape == (0,) and out.dtype == torch.float32
 
 
-def test_policy_log_probs_and_lora_gradients_equal_the_autograd_chain(tokenizer, monkeypatch):
-    """End to end on a tiny Llama with LoRA: the trainer path's head scoring changes nothing."""
+def test_policy_log_probs_and_lora_gradients_equal_the_reference_path(tokenizer):
+    """End to end on a tiny Llama with LoRA: the trainer path's head scoring equals the plain
+    transformers path (``reference_logprobs``: full logits, log-softmax, gather) in values and
+    LoRA gradients."""
     model = attach_lora(build_tiny_model(tokenizer, seed=3), r=4, alpha=8)
     for n, p in model.named_parameters():
         if "lora_B" in n:
             nn.init.normal_(p, std=0.05)
-    ids = torch.randint(0, 200, (3, 12))
+    ids = torch.randint(0, 200, (3, 12), generator=torch.Generator().manual_seed(0))
     assert model.get_base_model().get_output_embeddings().weight.requires_grad is False
 
-    def scored():
+    def scored(fn):
         model.zero_grad(set_to_none=True)
-        lp = sequence_logprobs(model, ids)
+        lp = fn(model, ids)
         lp.sum().backward()
         return lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
                              if p.grad is not None}
 
-    ours_lp, ours_g = scored()
-    monkeypatch.setattr(logprobs_mod, "target_logprobs",
-                        lambda head, h, tgt, chunk_size=1024: _reference(head, h, tgt))
-    ref_lp, ref_g = scored()
+    ours_lp, ours_g = scored(sequence_logprobs)
+    ref_lp, ref_g = scored(reference_logprobs)
     assert torch.allclose(ours_lp, ref_lp, atol=1e-5)
     assert ours_g.keys() == ref_g.keys() and ours_g
     for name, grad in ours_g.items():
         assert torch.allclose(grad, ref_g[name], atol=1e-6, rtol=1e-4), name
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("generic", [False, True])
+def test_target_logprobs_score_the_tempered_softmax_with_its_gradient(bias, generic):
+    torch.manual_seed(0)
+    head = nn.Linear(16, 300, bias=bias)
+    h = torch.randn(7, 16, requires_grad=True)
+    tgt = torch.randint(0, 300, (7,))
+    scored_head = nn.Sequential(head) if generic else head  # Sequential: the generic path
+    got = target_logprobs(scored_head, h, tgt, temperature=0.7)
+    want = torch.log_softmax(head(h) / 0.7, dim=-1).gather(1, tgt[:, None])[:, 0]
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    (g_got,) = torch.autograd.grad(got.sum(), h)
+    (g_want,) = torch.autograd.grad(want.sum(), h)
+    torch.testing.assert_close(g_got, g_want, rtol=0, atol=1e-5)
+    untempered = target_logprobs(scored_head, h, tgt)
+    assert float((untempered - got).detach().abs().max()) > 1e-2  # τ changes what is scored

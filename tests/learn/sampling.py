@@ -6,8 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 from closedloop.contracts import Episode, SamplerConfig, sha256_hex
+from closedloop.engine import HFGenerator
 from closedloop.envs.tasks.registry import list_tasks
-from closedloop.policy import ChatRenderer, HFGenerator
+from closedloop.policy import ChatRenderer
 from closedloop.policy.weights import weights_checksum
 from closedloop.rollout.source import GeneratorSource
 from closedloop.runtime import (

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from closedloop.contracts import Episode
+from closedloop.engine import sequence_logprobs
 from closedloop.learn.sft import supervised_warm_start
 from closedloop.learn.trainer import BatchReuseError, Trainer, TrainerConfig
 from closedloop.policy import build_tiny_model, load_embedded_tokenizer
-from closedloop.policy.logprobs import sequence_logprobs
 from closedloop.policy.lora import attach_lora
 from closedloop.rollout.tensors import build_training_batch, shift_targets
 from tests.factories import make_traj, make_turn

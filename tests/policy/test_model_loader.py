@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from closedloop.contracts import SamplerConfig
+from closedloop.engine import HFGenerator
 from closedloop.policy import (
     ChatRenderer,
-    HFGenerator,
     ModelLoadError,
     build_tiny_model,
     embedded_gguf_path,

@@ -6,15 +6,14 @@ import pytest
 import torch
 
 from closedloop.contracts import SamplerConfig
+from closedloop.engine import HFGenerator, sequence_logprobs
 from closedloop.policy import (
     AdapterError,
-    HFGenerator,
     attach_lora,
     build_tiny_model,
     load_adapter,
     policy_weight_checksum,
     save_adapter,
-    sequence_logprobs,
     split_state_dict,
     weights_checksum,
 )

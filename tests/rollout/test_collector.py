@@ -9,8 +9,9 @@ from closedloop.contracts import (
     TraceWriter,
     load_episodes,
 )
+from closedloop.engine import HFGenerator
 from closedloop.envs.tasks.registry import get_bundle, list_tasks
-from closedloop.policy import ChatRenderer, HFGenerator, build_tiny_model, load_embedded_tokenizer
+from closedloop.policy import ChatRenderer, build_tiny_model, load_embedded_tokenizer
 from closedloop.policy.weights import weights_checksum
 from closedloop.rollout.source import GeneratorSource, ScriptedSource
 from closedloop.runtime import (

@@ -1,0 +1,53 @@
+"""The CPU engine: how the policy is run fast, behind two interfaces.
+
+- **generation**: ``HFGenerator`` implements ``closedloop.policy.generator.Generator`` (and the
+  stateful session API the collector drives) on its own decode copy of the weights, with
+  per-session KV caches;
+- **log-prob scoring**: ``trainer_path_logprobs`` (what the trainer and the auditor score),
+  ``sequence_logprobs`` (one row at a time, what SFT scores) and ``shared_prefix_logprobs``:
+  float32 ``[B, T-1]``, ``out[b, t] = log softmax(z / τ)[x[b, t+1]]`` at target positions, else
+  0, with ``z`` the model's logits at ``t`` and ``τ`` the sampler's temperature;
+- **precision**: ``matmul_precision(model, name)`` runs every ``nn.Linear`` of ``model`` in
+  ``float32`` or ``bfloat16`` matmuls inside a block; ``check_precision``/``precision_label``
+  name it;
+- **allocator**: ``tune_allocator`` keeps freed tensor memory in the process (glibc).
+
+``closedloop.engine.reference`` holds the plain transformers path the fast ones are tested
+against (``reference_logprobs``, ``reference_generate``). Code outside the engine imports only
+this package; the private internals the speed work relies on (oneDNN ops, a transformers cache
+layer subclass, rebinding ``nn.Linear.forward``) stay in its submodules. Importing it loads no
+model and imports no ``transformers``.
+"""
+
+from closedloop.engine.allocator import tune_allocator
+from closedloop.engine.hf_generator import GeneratorStats, HFGenerator, SessionId
+from closedloop.engine.logprobs import LogprobInputError, sequence_logprobs
+from closedloop.engine.precision import (
+    PRECISIONS,
+    PrecisionError,
+    check_precision,
+    drop_bf16_copies,
+    matmul_precision,
+    precision_label,
+)
+from closedloop.engine.prefix_logprobs import (
+    prompt_prefix_lengths,
+    shared_prefix_logprobs,
+    trainer_path_logprobs,
+)
+from closedloop.engine.reference import reference_generate, reference_logprobs
+
+__all__ = [  # noqa: RUF022 -- grouped by topic, sorted within each group
+    # generation
+    "GeneratorStats", "HFGenerator", "SessionId",
+    # log-prob scoring
+    "LogprobInputError", "prompt_prefix_lengths", "sequence_logprobs", "shared_prefix_logprobs",
+    "trainer_path_logprobs",
+    # the plain transformers reference
+    "reference_generate", "reference_logprobs",
+    # matmul precision
+    "PRECISIONS", "PrecisionError", "check_precision", "drop_bf16_copies", "matmul_precision",
+    "precision_label",
+    # allocator
+    "tune_allocator",
+]

@@ -4,15 +4,13 @@ PyTorch's CPU allocator takes every tensor from ``malloc``. glibc serves a block
 *mmap threshold* with a fresh ``mmap`` and gives it back with ``munmap`` on free, and it trims
 the top of the heap whenever more than the *trim threshold* is free. A forward pass makes and
 drops the same few-MB activations hundreds of times, so each one is page-faulted and zeroed by
-the kernel again: measured here, an SmolLM2 MLP block over 1,024 rows in the bf16 matmul
-precision took 18.2 ms with glibc's defaults and 10.9 ms with this tuning (its three GEMMs
-alone take 6.2 ms), and the GRPO benchmark's update 7-12% less in two A/B runs.
+the kernel again (docs/performance.md has the measurements).
 
 ``tune_allocator()`` sets, with ``mallopt``:
 
 - ``M_MMAP_THRESHOLD`` = 32 MiB (glibc's maximum): blocks up to 32 MiB come from the heap and
   are reused; larger ones are still mapped and page-faulted anew on every use, which is why
-  ``engine.vocab_scoring`` projects the vocabulary in slices under it;
+  ``closedloop.engine.vocab_scoring`` projects the vocabulary in slices under it;
 - ``M_TRIM_THRESHOLD`` = 1 GiB and ``M_TOP_PAD`` = 256 MiB: freed heap memory stays mapped
   for the next pass.
 

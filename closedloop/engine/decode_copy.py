@@ -4,21 +4,18 @@ A rollout engine samples from a *published copy* of the policy, not from the tra
 (vLLM and SGLang hold their own weights too). ``DecodeCopy`` is that copy for ``HFGenerator``:
 
 - a vanilla peft LoRA layer is merged: ``W' = W + s B A`` (``get_delta_weight``), so a decode
-  step makes 7 matmuls a block instead of 15, and no adapter dispatch (the GRPO benchmark's
-  generation, B=32 with LoRA r=8 on q/k/v/o: 7.5 s -> 5.7 s at 1 thread, with the sampler
-  change of the same commit);
+  step makes 7 matmuls a block instead of 15, and no adapter dispatch;
 - every ``nn.Linear`` ``y = x W^T + b`` is stored as ``W^T`` (``[in, out]``, contiguous) and
-  computed as ``x @ W^T + b``. In isolation the CPU GEMM reads a pre-transposed weight up to
-  twice as fast at a few rows (``[8, 576] x [576, 1536]``, 1 thread: 441 us vs 216 us); end to
-  end on SmolLM2 decode it measured +5-10% at 1 thread and neutral at 2 threads;
+  computed as ``x @ W^T + b`` (the CPU GEMM reads a pre-transposed weight faster at a few
+  rows);
 - everything else (embeddings, norms, rotary buffers) is the copy's own tensor, synced by name.
 
 With ``precision="bfloat16"`` (``closedloop.engine.precision``) each layer instead holds the
 merged ``W' = W + s B A`` rounded once to bf16 (``Bf16Linear``) and computes
 ``float32(bf16(x) @ W'^T)``. The trainer rounds ``W`` and runs the factors as separate bf16
 matmuls: a different rounding of the same function. Keeping the factors unmerged here would not
-make the two paths agree more closely (bf16 rounding flips compound over 30 layers to the same
-~1e-1 max |Δ logp| either way, measured on SmolLM2), and costs 17% of a B=32 decode.
+make the two paths agree more closely (bf16 rounding flips compound over the layers to the
+same gap either way) and would cost a decode step the factor products.
 
 Contract: ``sync()`` copies the policy's *current* weights (call it whenever they change; the
 generator does in ``refresh_weights``). After a sync, the copy's logits equal the policy's up to

@@ -3,11 +3,9 @@
 Run through transformers' module forward, a small-batch decode step spends a large share of its
 time outside the matrix products: per layer seven Linear calls, position and mask tensors,
 K/V heads repeated for grouped-query attention, dispatch through module and attention-interface
-layers. (Measured on SmolLM2, 1 thread: the GRPO benchmark's B=32 bf16 generation took 5.4-6.1 s
-through the module copy and 4.5-4.8 s through this one; the 8-turn G=8 generation benchmark
-gained 1.16x in fp32 and 1.04x in bf16.) This copy holds the *same function* as a
-``LlamaForCausalLM`` (LoRA merged, ``decode_copy.effective_weight``) in a flat layout and runs it
-directly:
+layers (``benchmarks/bench_generation.py`` compares it with the module copy). This copy
+holds the *same function* as a ``LlamaForCausalLM`` (LoRA merged,
+``decode_copy.effective_weight``) in a flat layout and runs it directly:
 
 - per layer, ``x @ [Wq; Wk; Wv]^T`` is one GEMM and ``x @ [Wgate; Wup]^T`` another, so a block
   makes 4 matrix products instead of 7, each weight stored transposed (``[in, out]``);
@@ -29,9 +27,8 @@ padding query row also sees itself, so its (never used) output stays finite.
 Under ``precision="bfloat16"`` every product is ``float32(bf16(x) @ bf16(W'))`` with ``W'`` the
 merged weight rounded once (as ``decode_copy.Bf16Linear``); the rest stays float32. Where the
 CPU has native bf16 (``onednn_bf16_packing``) the bf16 weights are kept in oneDNN's pre-packed
-layout, so a decode step does not re-pack every weight it streams: the GRPO benchmark's B=32
-generation took 2.17 s instead of 2.47 s (2 threads, same-process A/B; the products accumulate
-in another order, so sampled ids may differ from the unpacked layout's in bf16 rounding).
+layout, so a decode step does not re-pack every weight it streams (the products accumulate in
+another order, so sampled ids may differ from the unpacked layout's in bf16 rounding).
 
 ``supports(model)`` names what this layout cannot express (another architecture, a rope
 scaling, biases on the MLP, sliding windows, LoRA variants); the generator then keeps the

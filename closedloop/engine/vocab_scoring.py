@@ -25,10 +25,6 @@ both products round their operands to bf16 and accumulate in fp32, as ``nn.Linea
 ``torch.autocast``) go through ``head(h)`` in row chunks, with a backward that makes one softmax
 and updates it in place (``_TargetLogSoftmax``). Values equal the autograd chain's up to fp32
 summation order (the logsumexp is combined across slices).
-
-Measured (GRPO benchmark batch, 32 rows x 75 ids, ~880 action tokens; same-process A/B at 2
-threads): the trainer's update took 5.43 s instead of 6.13 s in fp32 and 3.69 s instead of
-4.74 s in bf16.
 """
 
 from __future__ import annotations

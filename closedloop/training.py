@@ -416,7 +416,7 @@ class TrainingRun:
         """The task ids of an evaluation suite: ``heldout`` (template-disjoint), ``family``
         (families absent from training) or ``train`` (the cold start's training distribution)."""
         tasks = {"heldout": self.heldout_tasks, "train": self.train_tasks,
-                 "family": getattr(self, "family_tasks", [])}
+                 "family": self.family_tasks}
         if suite not in tasks:
             raise ValueError(f"unknown evaluation suite {suite!r}; known: {sorted(tasks)}")
         return list(tasks[suite])

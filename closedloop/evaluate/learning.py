@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
+from closedloop.envs.tasks.base import UnknownTaskError, template_level
 from closedloop.evaluate.rundir import RunDir
 from closedloop.evaluate.stats import wilson_interval
 
@@ -26,12 +27,15 @@ START_SUITES = (("train", "start-train"), ("heldout", "start"), ("family", "star
 
 
 def template_and_level(task_id: str) -> tuple[str, str]:
-    """(base template, hint level) from a task id ``family/<base>.<level>/NNN-hash``; a
-    template without a level suffix is ``symptom`` (the objective states only the symptom)."""
+    """(base template, hint level) from a task id ``family/<base>.<level>/NNN-hash``
+    (``template_level``); a template without a level suffix is ``symptom`` (the objective
+    states only the symptom)."""
     parts = task_id.split("/")
     template = parts[1] if len(parts) >= 3 else "?"
-    base, sep, level = template.rpartition(".")
-    return (base, level) if sep else (template, "symptom")
+    try:
+        return template_level(template)
+    except UnknownTaskError:
+        return template, "symptom"
 
 
 def _row(keys: dict[str, Any], tasks: set[str], scored: int, successes: int) -> dict[str, Any]:

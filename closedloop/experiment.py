@@ -35,6 +35,9 @@ SHARED = ("sft/adapter.pt", "sft/result.json", "traces/sft-demos.jsonl",
           "traces/eval-start-train.jsonl", "traces/eval-retain-start.jsonl", "audit.json")
 SUITES = ("heldout", "family")
 """``heldout``: the template-disjoint suite; ``family``: families absent from training."""
+FAMILY_ARMS = ("frozen", "rloo")
+"""The arms evaluated on the family-disjoint suite: its claim is RL final − frozen start; the
+controls (shuffled, sft_only) answer the template-disjoint claim and skip it."""
 
 
 def _copy_cold_start(cold: Path, arm: Path) -> None:
@@ -85,8 +88,7 @@ def _sft_only(cfg: RunConfig, arm_dir: Path, tokens: int,
             run.publish(version_name(0))
             run.sft_only(tokens, "matched")
         final = run.registry.manifest(version_name(cfg.training.rl_steps))
-        for suite in _suites(cfg):
-            run.evaluate("final", final, suite=suite)
+        run.evaluate("final", final)
     finally:
         run.close()
 
@@ -123,7 +125,7 @@ def run_experiment(cfg: RunConfig, exp_dir: str | Path,
             if control != "none":
                 arm_cfg = replace(arm_cfg, evaluation=replace(arm_cfg.evaluation,
                                                               curve_points=2))
-            train(arm_cfg, arms[name], config_override)
+            train(arm_cfg, arms[name], config_override, final_family=name in FAMILY_ARMS)
     tokens = _trained_tokens(arms["rloo"])
     _copy_cold_start(arms["frozen"], arms["sft_only"])
     log(f"experiment: arm sft_only, matched to {tokens} RL action tokens")
@@ -162,9 +164,10 @@ def summarize_experiment(cfg: RunConfig, arms: dict[str, Path], tokens: int) -> 
     for suite in _suites(cfg):
         frozen = _eval_of(arms["frozen"], "start", cfg, suite)
         base = frozen.per_task_success()
+        names = ARMS if suite == "heldout" else FAMILY_ARMS
         entries = {name: _arm_entry(frozen if name == "frozen"
                                     else _eval_of(arms[name], "final", cfg, suite),
-                                    base, cfg, arms[name]) for name in ARMS}
+                                    base, cfg, arms[name]) for name in names}
         out["suites"][suite] = {"tasks": len(base), "arms": entries}
     out["arms"] = out["suites"]["heldout"]["arms"]
     out["heldout_tasks"] = out["suites"]["heldout"]["tasks"]

@@ -61,9 +61,11 @@ def evaluate_curve_point(run: TrainingRun, step: int) -> None:
 
 
 def train(cfg: RunConfig, run_dir: str | Path,
-          config_override: str | None = None) -> dict[str, Any]:
+          config_override: str | None = None, final_family: bool = True) -> dict[str, Any]:
     """Run (or resume) a whole experiment and return its summary (``config_override``: the
-    declared reason for a config that differs from the run directory's)."""
+    declared reason for a config that differs from the run directory's). ``final_family``
+    False skips the final policy's family-disjoint evaluation (an experiment's control arm:
+    the family-disjoint claim is the RL arm's)."""
     run = TrainingRun(cfg, run_dir, config_override)
     try:
         if cfg.sft.enabled:
@@ -88,7 +90,7 @@ def train(cfg: RunConfig, run_dir: str | Path,
             evaluate_curve_point(run, step + 1)
         final_version = version_name(cfg.training.rl_steps)
         final = run.evaluate("final", run.registry.manifest(final_version))
-        if cfg.evaluation.environment_family_disjoint:
+        if cfg.evaluation.environment_family_disjoint and final_family:
             run.evaluate("final", run.registry.manifest(final_version), suite="family")
         retain_final = run.evaluate_retain("final", run.registry.manifest(final_version))
         retain = retain_delta(retain_start, retain_final, seed=cfg.training.seed).to_dict()

@@ -65,8 +65,9 @@ def pool_replicates(results: list[dict[str, Any]], seed: int = 0) -> dict[str, A
     for suite in suites:
         pooled[suite] = {}
         for arm in ARMS:
-            if arm == "frozen":
-                continue
+            if arm == "frozen" or not any(
+                    arm in r.get("suites", {}).get(suite, {}).get("arms", {}) for r in results):
+                continue  # the frozen baseline, or an arm this suite does not evaluate
             treated: dict[str, list[float]] = {}
             base: dict[str, list[float]] = {}
             per_rep = []

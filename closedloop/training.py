@@ -675,7 +675,8 @@ class TrainingRun:
                 result = supervised_warm_start(
                     self.model, demos, self.pad_id, epochs=max(1, cfg.epochs * 4),
                     batch_size=cfg.batch_size, learning_rate=self.cfg.training.learning_rate,
-                    seed=self.cfg.training.seed + 7, max_tokens=max_tokens)
+                    seed=self.cfg.training.seed + 7, max_tokens=max_tokens,
+                    bf16_autocast=cfg.bf16_autocast)
                 bar.update(min(max_tokens, result.trained_action_tokens))
             trained, steps = result.trained_action_tokens, result.optimizer_steps
         self.publish(version_name(self.cfg.training.rl_steps))

@@ -132,6 +132,14 @@ def test_pooled_effect_averages_replicates_per_task_and_counts_replicates_with_g
     assert [p["replicate"] for p in pooled["per_replicate"]] == [0, 1]
 
 
+def test_pooling_skips_arms_a_suite_does_not_evaluate():
+    tasks = [f"t{i}" for i in range(4)]
+    reps = [_rep(i, dict.fromkeys(tasks, 0.0), dict.fromkeys(tasks, 0.5), lo=0.1)
+            for i in range(2)]
+    pooled = pool_replicates(reps, seed=0)["heldout"]
+    assert set(pooled) == {"rloo"}  # shuffled and sft_only were never evaluated here
+
+
 def _band_run(train_wins: int, heldout_wins: int) -> RunDir:
     train = _trace("start-train", [(f"{A_EXACT[:-12]}{i:03d}-aaaaaaaa", float(i < train_wins))
                                    for i in range(10)])

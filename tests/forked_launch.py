@@ -147,7 +147,7 @@ def serve(stdin: IO[str], stdout: IO[str]) -> None:
 
     import closedloop.cli
     import closedloop.loop  # noqa: F401 - the heavy imports happen here, once
-    from closedloop.training import _versions
+    from closedloop.training.run import _versions
 
     _versions()  # peft and transformers' lazy modules (config.json records their versions)
     for name in ("AutoModelForCausalLM", "AutoTokenizer", "LlamaForCausalLM"):

@@ -208,7 +208,7 @@ def test_the_run_seeds_python_numpy_and_torch() -> None:
 
     import numpy as np
 
-    from closedloop.training import _seed_all
+    from closedloop.training.run import _seed_all
 
     def draws() -> tuple[float, float, float]:
         return random.random(), float(np.random.rand()), float(torch.rand(1))
@@ -222,7 +222,7 @@ def test_the_run_seeds_python_numpy_and_torch() -> None:
 
 
 def test_a_damaged_warm_start_names_its_file(tmp_path: Path) -> None:
-    from closedloop.training import load_warm_start
+    from closedloop.training.warm_start import load_warm_start
 
     sft = tmp_path / "sft"
     sft.mkdir()

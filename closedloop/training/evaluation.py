@@ -1,0 +1,121 @@
+"""The evaluation side of a training run: the evaluation suites (held-out, family-disjoint,
+train), the retain suites, seeding the task sampler from the cold start, and the
+generator/trainer log-prob audit at the frozen checkpoint."""
+
+from __future__ import annotations
+
+from closedloop.contracts import ClosedloopError, PolicyManifest, content_hash, load_episodes
+from closedloop.envs.plugin import EnvPackageError
+from closedloop.evaluate.heldout import EvalSummary, summarize_eval
+from closedloop.evaluate.retain import summarize_suites
+from closedloop.learn.audit import AuditResult, audit_logprobs, audit_tolerances
+from closedloop.progress import log
+from closedloop.training.policy import RunPolicy
+
+
+class ConsistencyGateError(ClosedloopError):
+    """Generator and trainer disagree on log-probs at one version beyond the tolerance."""
+
+
+class RunEvaluation(RunPolicy):
+    """Evaluation suites, retain suites and the frozen-checkpoint audit (a ``TrainingRun``
+    part)."""
+
+    def suite_tasks(self, suite: str) -> list[str]:
+        """The task ids of an evaluation suite: ``heldout`` (template-disjoint), ``family``
+        (families absent from training) or ``train`` (the cold start's training distribution)."""
+        tasks = {"heldout": self.heldout_tasks, "train": self.train_tasks,
+                 "family": self.family_tasks}
+        if suite not in tasks:
+            raise ValueError(f"unknown evaluation suite {suite!r}; known: {sorted(tasks)}")
+        return list(tasks[suite])
+
+    def evaluate(self, label: str, manifest: PolicyManifest,
+                 suite: str = "heldout") -> EvalSummary:
+        """Evaluate ``manifest`` on a suite (``suite_tasks``): on ``heldout`` and ``family``,
+        ``attempts_per_task`` attempts per task over the seeds; on ``train``, one attempt per task
+        with the first seed. The trace is ``eval-<label>`` for ``heldout`` and
+        ``eval-<label>-<suite>`` otherwise; an existing trace is reused (resume)."""
+        ev = self.cfg.evaluation
+        attempts = 1 if suite == "train" else ev.attempts_per_task
+        seeds = list(ev.seeds)[:attempts]
+        name = label if suite == "heldout" else f"{label}-{suite}"
+        self.generator.rng.manual_seed(int(content_hash(["eval", name])[7:15], 16))
+        groups = [(f"eval-{name}-{i:03d}-s{seed}", task, seed, 1)
+                  for i, task in enumerate(self.suite_tasks(suite)) for seed in seeds]
+        path = self.dir / "traces" / f"eval-{name}.jsonl"
+        if path.is_file():
+            episodes = load_episodes(path)[1]
+        else:
+            collected = self._collect(self.model_source(manifest), manifest, path, groups,
+                                      f"eval {name}")
+            episodes = [ep for g in collected for ep in g.episodes]
+        summary = summarize_eval(episodes, k=attempts, seed=self.cfg.training.seed)
+        self.log_metrics("eval", {"label": name, "suite": suite, **summary.to_dict()})
+        return summary
+
+    def seed_sampler(self, summary: EvalSummary) -> None:
+        """Give the difficulty-band sampler the cold start's per-task outcomes on the train
+        tasks, so its learnable stream is known before the first RL draw."""
+        for t in summary.tasks:
+            if t.n > 0 and t.task_id in self.train_tasks:
+                self.sampler.record_prior(t.task_id, t.successes, t.n)
+        self.log_metrics("task_sampler", {"seeded_from": "eval-start-train",
+                                          **self.sampler.to_dict(
+                                              group_size=self.cfg.rollout.group_size)})
+
+    def evaluate_retain(self, label: str, manifest: PolicyManifest) -> dict[str, EvalSummary]:
+        """The retain suites (tool use, instruction following, safety), one attempt per task
+        with the first evaluation seed; summaries per suite."""
+        ev = self.cfg.evaluation
+        path = self.dir / "traces" / f"eval-retain-{label}.jsonl"
+        if path.is_file():
+            episodes = load_episodes(path)[1]
+        else:
+            tasks = self._retain_tasks(tuple(ev.retain_suites))
+            seed = ev.seeds[0]
+            self.generator.rng.manual_seed(int(content_hash(["retain", label])[7:15], 16))
+            groups = [(f"retain-{label}-{i:03d}", t, seed, 1) for i, t in enumerate(tasks)]
+            collected = self._collect(self.model_source(manifest), manifest, path, groups,
+                                      f"retain {label}")
+            episodes = [ep for g in collected for ep in g.episodes]
+        suites = summarize_suites(episodes, k=1, seed=self.cfg.training.seed)
+        self.log_metrics("retain_eval", {"label": label, **{
+            name: summary.to_dict() for name, summary in suites.items()}})
+        return suites
+
+    def _retain_tasks(self, suites: tuple[str, ...]) -> tuple[str, ...]:
+        if not suites:
+            return ()
+        if self.package.retain_tasks is None:
+            raise EnvPackageError(f"environment package {self.package.env_id!r} has no retain "
+                                  f"suites (asked for {list(suites)}); set "
+                                  "evaluation.retain_suites: []")
+        return self.package.retain_tasks(suites)
+
+    def audit_frozen(self, label: str, manifest: PolicyManifest) -> AuditResult:
+        """Generator vs trainer log-probs at the frozen checkpoint that sampled eval ``label``.
+
+        Raises ``ConsistencyGateError`` when the declared tolerance is exceeded: the strict
+        synchronous objective is only valid when the two paths agree.
+        """
+        _, episodes = load_episodes(self.dir / "traces" / f"eval-{label}.jsonl")
+        c = self.cfg.consistency
+        bounds = audit_tolerances(c.tolerance_source, c.max_abs_tolerance, self.model, episodes,
+                                  pad_id=self.pad_id, sampler=manifest.sampler,
+                                  precision=self.cfg.training.precision)
+        tol = bounds.tolerance_max
+        result = audit_logprobs(self.model, episodes, manifest.weight_checksum,
+                                tolerance_max=tol, tolerance_p95=bounds.tolerance_p95,
+                                pad_id=self.pad_id, precision=self.cfg.training.precision,
+                                sampler=manifest.sampler)
+        self._write_json("audit.json", {"label": label, "version": manifest.policy_version,
+                                        **result.to_dict(), **bounds.to_dict()})
+        self.log_metrics("audit", result.to_dict())
+        log(f"log-prob audit at {manifest.policy_version}: max |Δ| {result.abs_max:.2e}, p95 "
+            f"{result.abs_p95:.2e}, k3 {result.k3:.2e} over {result.n_tokens} tokens -> "
+            f"{'pass' if result.passed else 'FAIL'}")
+        if not result.passed:
+            raise ConsistencyGateError(f"generator/trainer mismatch {result.abs_max:.3e} "
+                                       f"exceeds the tolerance {tol:.1e}")
+        return result

@@ -1,0 +1,158 @@
+"""``TrainingRun``: one run directory opened (locked, its config and tasks checked, the model
+loaded) with the parts that act on it, and ``write_summary`` at its end."""
+
+from __future__ import annotations
+
+import os
+import platform
+import random
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from closedloop.config import RunConfig
+from closedloop.contracts.metrics_log import MetricsLog
+from closedloop.envs.plugin import EnvPackageError
+from closedloop.policy import check_append_only, load_model
+from closedloop.policy.registry import PolicyRegistry
+from closedloop.progress import log
+from closedloop.rollout.admission import AdmissionController
+from closedloop.rollout.ledger import Ledger
+from closedloop.rollout.task_sampler import DifficultyBandSampler
+from closedloop.run_integrity import RunLock, check_config, check_tasks, require_complete
+from closedloop.runtime import make_renderer, run_package, task_set_request
+from closedloop.training.evaluation import RunEvaluation
+from closedloop.training.rl_step import RunRLStep
+from closedloop.training.warm_start import RunWarmStart
+
+
+def _seed_all(seed: int) -> None:
+    """Seed the process-wide RNGs (Python, NumPy, torch); checkpoints capture all three."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _git_revision() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).parent, timeout=5, check=False)
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def _versions() -> dict[str, str]:
+    import peft
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__,
+            "peft": peft.__version__, "python": platform.python_version(),
+            "machine": f"{platform.machine()} {os.cpu_count()} cpus"}
+
+
+class TrainingRun(RunRLStep, RunEvaluation, RunWarmStart):
+    """The state of one run (see ``closedloop.training``): set-up here; the policy and
+    collection (``closedloop.training.policy``), the warm start and SFT-only control
+    (``.warm_start``), evaluation and audit (``.evaluation``), the RL step (``.rl_step``) and
+    checkpoint/resume (``.checkpoints``) are its parts."""
+
+    def __init__(self, cfg: RunConfig, run_dir: str | Path,
+                 config_override: str | None = None) -> None:
+        """Lock the run directory and check its config against the recorded one
+        (``closedloop.run_integrity``; ``config_override`` is the declared reason for a change).
+        """
+        self.cfg = cfg
+        self.dir = Path(run_dir)
+        for sub in ("traces", "checkpoints", "sft"):
+            (self.dir / sub).mkdir(parents=True, exist_ok=True)
+        self._lock = RunLock(self.dir)
+        try:
+            self._open(cfg, config_override)
+        except BaseException:
+            self._lock.release()
+            raise
+
+    def _open(self, cfg: RunConfig, config_override: str | None) -> None:
+        check_config(self.dir, cfg.to_dict(), {"config_hash": cfg.config_hash(),
+                                               "git_revision": _git_revision(),
+                                               "versions": _versions()}, config_override)
+        self.run_id = f"{self.dir.name}"
+        self.metrics_path = self.dir / "metrics.jsonl"
+        self.metrics = MetricsLog(self.metrics_path)
+        if self.metrics.repaired_tail:
+            log(f"{self.metrics_path}: cut off a last line a killed launch left unfinished")
+        _seed_all(cfg.training.seed)
+        self.package = run_package(cfg.environment)  # tasks, env, verifier, scaffold
+        tasks_json = self.dir / "tasks.json"
+        recorded_tasks = tasks_json.read_bytes() if tasks_json.is_file() else None
+        self._build_tasks()
+        check_tasks(tasks_json, recorded_tasks, {"train": self.train_tasks,
+                                                 "heldout": self.heldout_tasks},
+                    config_override)
+        self._load_policy()
+        self.verifier = self.package.verifier()
+        self.ledger = Ledger(self.dir / "ledger.sqlite")
+        self.registry = PolicyRegistry(self.dir / "registry")
+        self.admission = AdmissionController(cfg.rollout.max_version_lag,
+                                             censor_rule=cfg.credit.censor_rule)
+        self.sampler = DifficultyBandSampler(
+            self.train_tasks, [self.package.task_info(t).family for t in self.train_tasks],
+            seed=cfg.training.seed)
+        self.trainer = None
+        self.step = 0
+        self.consumed = set()
+        self.sft_tokens = 0
+
+    # ------------------------------------------------------------------ set-up
+    def _build_tasks(self) -> None:
+        request = task_set_request(self.cfg, self.package)
+        sets = self.package.task_sets(request)
+        self.train_tasks, self.heldout_tasks = list(sets.train), list(sets.heldout)
+        if request.family_tasks and "family" not in sets.suites:
+            raise EnvPackageError(f"environment package {self.package.env_id!r} has no "
+                                  "family-disjoint suite; set evaluation."
+                                  "environment_family_disjoint: false")
+        self.family_tasks = list(sets.suites.get("family", ()))
+        self._write_json("tasks.json", {
+            "env_id": self.package.env_id, "train": self.train_tasks,
+            "heldout": self.heldout_tasks, "family": self.family_tasks,
+            "discarded": list(sets.discarded), **sets.audit})
+        log(f"tasks: {len(self.train_tasks)} train / {len(self.heldout_tasks)} held-out "
+            f"(template-disjoint) / {len(self.family_tasks)} family-disjoint "
+            f"of {self.package.env_id}, {len(sets.discarded)} discarded by the solvability "
+            "filter")
+
+    def _load_policy(self) -> None:
+        cfg = self.cfg
+        model_arg = None if cfg.model == "embedded" else cfg.model
+        self.loaded = load_model(model_arg, dtype=cfg.training.dtype)
+        log(f"model {self.loaded.model_id} loaded from {self.loaded.source} in "
+            f"{self.loaded.load_seconds:.1f}s")
+        self.tokenizer = self.loaded.tokenizer
+        self.model = self.loaded.model
+        if getattr(self.model, "hf_quantizer", None) is not None:
+            self.model.hf_quantizer.remove_quantization_config(self.model)
+        self.renderer = make_renderer(self.tokenizer, self.package)
+        report = check_append_only(self.renderer)
+        self._write_json("template.json", report._asdict() if hasattr(report, "_asdict")
+                         else report.__dict__)
+        self.pad_id = int(self.tokenizer.pad_token_id or 0)
+
+    def close(self) -> None:
+        """Close the ledger and release the run directory."""
+        try:
+            self.ledger.close()
+        finally:
+            self._lock.release()
+
+
+def write_summary(run: TrainingRun, data: dict[str, Any]) -> Path:
+    """Write summary.json atomically and return its path, once every RL step of the config is
+    committed and logged (``RunStateError`` otherwise)."""
+    require_complete(run.dir, run.cfg.training.rl_steps, run.metrics)
+    run._write_json("summary.json", data)
+    return run.dir / "summary.json"

@@ -1,0 +1,126 @@
+"""The supervised side of a training run: the warm start (SFT on noisy-expert demonstrations,
+merged into the base, so π_ref is the initial SFT policy) and the SFT-only control."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from closedloop.contracts import Episode, content_hash
+from closedloop.envs.plugin import ScriptedPolicyLike
+from closedloop.learn.sft import supervised_warm_start
+from closedloop.policy import attach_lora
+from closedloop.policy.registry import version_name
+from closedloop.progress import Progress, log
+from closedloop.rollout.source import ScriptedSource
+from closedloop.run_integrity import RunStateError
+from closedloop.training.policy import RunPolicy, adapter_state
+
+
+def load_warm_start(sft_dir: Path) -> tuple[dict[str, torch.Tensor], int]:
+    """The run's SFT adapter (``adapter.pt``) and its trained action tokens (``result.json``);
+    ``RunStateError`` naming the damaged file and how to recover otherwise."""
+    adapter_file, result_file = sft_dir / "adapter.pt", sft_dir / "result.json"
+    recovery = (f"delete {sft_dir} to train the warm start again (and checkpoints/ and "
+                "registry/, which were trained from it)")
+    try:
+        meta = json.loads(result_file.read_text(encoding="utf-8"))
+        tokens = int(meta["trained_action_tokens"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise RunStateError(result_file, f"the warm start's record is unreadable "
+                            f"({type(exc).__name__}: {exc})", recovery) from None
+    try:
+        state: dict[str, torch.Tensor] = torch.load(adapter_file, weights_only=True)
+    except Exception as exc:  # torch raises several types for a damaged file
+        raise RunStateError(adapter_file, f"the warm-start adapter does not load "
+                            f"({type(exc).__name__}: {exc})", recovery) from None
+    return state, tokens
+
+
+class RunWarmStart(RunPolicy):
+    """The warm start, its demonstrations and the SFT-only control (a ``TrainingRun`` part)."""
+
+    def warm_start(self) -> None:
+        """SFT on noisy-expert demonstrations, merged into the base (π_ref = initial SFT)."""
+        cfg = self.cfg.sft
+        adapter_file = self.dir / "sft" / "adapter.pt"
+        model = attach_lora(self.model, r=self.cfg.training.lora_rank,
+                            alpha=self.cfg.training.lora_alpha, seed=self.cfg.training.seed,
+                            target_modules=tuple(self.cfg.training.lora_targets))
+        if adapter_file.is_file():
+            state, self.sft_tokens = load_warm_start(adapter_file.parent)
+            model.load_state_dict(state, strict=False)
+            log("warm start: reusing the run's SFT adapter")
+        else:
+            demos = self.collect_demonstrations(cfg.demonstrations)
+            with Progress(cfg.epochs * len(demos), "sft", "ep") as bar:
+                result = supervised_warm_start(
+                    model, demos, self.pad_id, epochs=cfg.epochs, batch_size=cfg.batch_size,
+                    learning_rate=cfg.learning_rate, seed=self.cfg.training.seed,
+                    bf16_autocast=cfg.bf16_autocast, progress=bar.update)
+            self.sft_tokens = result.trained_action_tokens
+            meta = {"optimizer_steps": result.optimizer_steps, "episodes": result.episodes,
+                    "trained_action_tokens": result.trained_action_tokens,
+                    "losses": list(result.losses)}
+            # result.json first, the adapter last and atomically: an adapter never lacks its
+            # record, so a resume either reuses both or trains again
+            self._write_json("sft/result.json", meta)
+            tmp = adapter_file.with_suffix(".pt.tmp")
+            torch.save(adapter_state(model), tmp)
+            os.replace(tmp, adapter_file)
+            self.log_metrics("sft", meta)
+            log(f"warm start: {result.optimizer_steps} steps on {result.episodes} "
+                f"demonstrations, {result.trained_action_tokens} action tokens, loss "
+                f"{result.losses[0]:.3f} -> {result.losses[-1]:.3f}")
+        self.model = model.merge_and_unload()
+
+    def collect_demonstrations(self, n: int, offset: int = 0,
+                               name: str = "sft-demos") -> list[Episode]:
+        """Noisy-expert episodes on train tasks, through the same collector and renderer."""
+        rate, seed = self.cfg.sft.noise_rate, self.cfg.training.seed
+
+        def make_policy(task_id: str, key: str) -> ScriptedPolicyLike:
+            return self.package.scripted_policy(
+                "noisy", task_id, int(content_hash([seed, offset, key])[7:15], 16), rate)
+
+        source = ScriptedSource(make_policy, self.renderer.encode, build="scripted-noisy")
+        manifest = self.manifest_for("scripted", demo=True)
+        tasks = [self.train_tasks[i % len(self.train_tasks)] for i in range(n)]
+        path = self.dir / "traces" / f"{name}.jsonl"
+        path.unlink(missing_ok=True)
+        groups = self._collect(source, manifest, path, [
+            (f"{name}-{i:04d}", task, 1000 + offset + i, 1) for i, task in enumerate(tasks)],
+            "demos")
+        episodes = [ep for g in groups for ep in g.episodes]
+        solved = sum(1 for ep in episodes if (ep.trajectory.task_success or 0) >= 1)
+        log(f"demonstrations: {len(episodes)} episodes, {solved} solved")
+        return episodes
+
+    def sft_only(self, max_tokens: int, label: str) -> dict[str, Any]:
+        """The SFT-only control: more supervised steps on fresh demonstrations, stopping at
+        ``max_tokens`` trained action tokens (matched to an RL arm), then publish the result
+        as the final version. ``max_tokens == 0`` (the RL arm trained on nothing) trains
+        nothing.
+        """
+        cfg = self.cfg.sft
+        trained, steps = 0, 0
+        if max_tokens > 0:
+            demos = self.collect_demonstrations(cfg.demonstrations, offset=10_000,
+                                                name=f"sft-only-{label}")
+            with Progress(max_tokens, "sft-only", "tok") as bar:
+                result = supervised_warm_start(
+                    self.model, demos, self.pad_id, epochs=max(1, cfg.epochs * 4),
+                    batch_size=cfg.batch_size, learning_rate=self.cfg.training.learning_rate,
+                    seed=self.cfg.training.seed + 7, max_tokens=max_tokens,
+                    bf16_autocast=cfg.bf16_autocast)
+                bar.update(min(max_tokens, result.trained_action_tokens))
+            trained, steps = result.trained_action_tokens, result.optimizer_steps
+        self.publish(version_name(self.cfg.training.rl_steps))
+        meta = {"optimizer_steps": steps, "trained_action_tokens": trained,
+                "target_tokens": max_tokens}
+        self.log_metrics("sft_only", meta)
+        return meta

@@ -35,6 +35,10 @@ reconciliation also makes the opposite order (ledger first, then checkpoint) saf
 order keeps the ledger from ever claiming more than the committed weights hold, except after a
 fall-back to an older checkpoint. If ``mark_consumed`` raises after a checkpoint committed, the
 trainer must stop (or reconcile) before taking more groups.
+
+The tables and states are in ``closedloop.rollout.ledger_schema``, the report records (events,
+counts, exactly-once accounting, reconciliation) in ``closedloop.rollout.ledger_reports`` and
+the file's integrity checks in ``closedloop.rollout.ledger_check``.
 """
 
 from __future__ import annotations
@@ -45,9 +49,9 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from closedloop.contracts.errors import ClosedloopError
 from closedloop.contracts.hashing import canonical_json, content_hash
@@ -59,6 +63,22 @@ from closedloop.rollout.ledger_check import (
     integrity_problems,
     row_problems,
 )
+from closedloop.rollout.ledger_reports import (
+    ExactlyOnceReport,
+    LedgerCounts,
+    LedgerEvent,
+    ReconcileReport,
+    count_groups,
+)
+from closedloop.rollout.ledger_schema import (
+    GROUP_STATES,
+    LEGAL_TRANSITIONS,
+    SCHEMA_VERSION,
+    GroupState,
+    create_tables,
+    log_event,
+    state_of,
+)
 
 __all__ = [
     "GROUP_STATES", "SCHEMA_VERSION", "DuplicateConsumptionError", "DuplicateGroupError",
@@ -67,34 +87,6 @@ __all__ = [
     "LedgerInconsistencyError",
     "LedgerSchemaError", "ReconcileReport", "UnknownGroupError",
 ]
-
-SCHEMA_VERSION = 1
-GroupState = Literal["collected", "admitted", "consumed", "quarantined", "discarded"]
-GROUP_STATES: tuple[GroupState, ...] = (
-    "collected", "admitted", "consumed", "quarantined", "discarded")
-_LEGAL: frozenset[tuple[str, str]] = frozenset({
-    ("collected", "admitted"), ("collected", "quarantined"), ("collected", "discarded"),
-    ("admitted", "quarantined"), ("admitted", "discarded"), ("admitted", "consumed"),
-})
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS groups (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT, group_id TEXT NOT NULL UNIQUE,
-    run_id TEXT NOT NULL, task_id TEXT NOT NULL, behavior_policy_version TEXT NOT NULL,
-    lease_json TEXT NOT NULL, lease_hash TEXT NOT NULL, summary_json TEXT NOT NULL,
-    state TEXT NOT NULL CHECK (state IN
-        ('collected', 'admitted', 'consumed', 'quarantined', 'discarded')),
-    reason TEXT, consumed_step INTEGER, output_policy_version TEXT,
-    created_at REAL NOT NULL, updated_at REAL NOT NULL);
-CREATE INDEX IF NOT EXISTS groups_state ON groups (state);
-CREATE TABLE IF NOT EXISTS events (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT, group_id TEXT NOT NULL,
-    kind TEXT NOT NULL CHECK (kind IN ('transition', 'rejected', 'reconciled')),
-    from_state TEXT, to_state TEXT, reason TEXT, optimizer_step INTEGER,
-    output_policy_version TEXT, at REAL NOT NULL);
-CREATE INDEX IF NOT EXISTS events_group ON events (group_id);
-"""
 
 
 # ----------------------------------------------------------------------------- errors
@@ -205,102 +197,6 @@ class GroupRow:
         return self.summary.n_trajectories < self.lease.group_size
 
 
-@dataclass(frozen=True)
-class LedgerEvent:
-    """One row of the append-only events table."""
-
-    seq: int
-    group_id: str
-    kind: Literal["transition", "rejected", "reconciled"]
-    from_state: str | None
-    to_state: str | None
-    reason: str | None
-    optimizer_step: int | None
-    output_policy_version: str | None
-    at: float
-
-
-@dataclass(frozen=True)
-class LedgerCounts:
-    """Groups per current state plus the rejected attempts, counted separately.
-
-    ``incomplete`` counts groups (in any state) collected with fewer trajectories than their
-    lease's group size; ``reasons`` counts quarantined and discarded groups by reason.
-    """
-
-    collected: int
-    admitted: int
-    consumed: int
-    quarantined: int
-    discarded: int
-    incomplete: int
-    duplicate_collections_rejected: int
-    duplicate_consumptions_rejected: int
-    illegal_transitions_rejected: int
-    reverted_by_reconcile: int
-    reasons: Mapping[str, int] = field(default_factory=dict)
-
-    @property
-    def total(self) -> int:
-        """Number of distinct groups recorded."""
-        return (self.collected + self.admitted + self.consumed + self.quarantined
-                + self.discarded)
-
-    @property
-    def duplicates_rejected(self) -> int:
-        """Duplicate collections plus duplicate consumptions that were refused."""
-        return self.duplicate_collections_rejected + self.duplicate_consumptions_rejected
-
-
-@dataclass(frozen=True)
-class ExactlyOnceReport:
-    """Exactly-once accounting of an expected set of group ids (seed 000 go/no-go gate).
-
-    consumed_once: expected ids consumed exactly once. duplicate: ids with at least one refused
-    duplicate collection or consumption (``duplicate_attempts`` counts the attempts). lost:
-    expected ids the ledger never recorded. incomplete: expected ids collected with fewer
-    trajectories than the group size. quarantined / discarded: expected ids dropped with a
-    reason. pending: expected ids still ``collected`` or ``admitted``. unexpected: consumed ids
-    that were not expected. Each tuple is sorted.
-    """
-
-    consumed_once: tuple[str, ...]
-    duplicate: tuple[str, ...]
-    duplicate_attempts: int
-    lost: tuple[str, ...]
-    incomplete: tuple[str, ...]
-    quarantined: tuple[str, ...]
-    discarded: tuple[str, ...]
-    pending: tuple[str, ...]
-    unexpected: tuple[str, ...]
-
-    @property
-    def ok(self) -> bool:
-        """True when nothing is lost, pending or unexpected and no duplicate got through.
-
-        Refused duplicate attempts are counted but do not fail the gate: they never reached
-        the trainer.
-        """
-        return not (self.lost or self.pending or self.unexpected)
-
-    def counts(self) -> dict[str, int]:
-        """Return the size of each category."""
-        out = {name: len(getattr(self, name)) for name in (
-            "consumed_once", "duplicate", "lost", "incomplete", "quarantined", "discarded",
-            "pending", "unexpected")}
-        out["duplicate_attempts"] = self.duplicate_attempts
-        return out
-
-
-@dataclass(frozen=True)
-class ReconcileReport:
-    """What :meth:`Ledger.reconcile_with_checkpoint` changed (sorted group ids)."""
-
-    checkpoint_step: int
-    marked_consumed: tuple[str, ...]
-    reverted_to_admitted: tuple[str, ...]
-
-
 # ----------------------------------------------------------------------------- ledger
 class Ledger:
     """An SQLite (WAL, ``synchronous=FULL``) ledger of group states; see the module docstring.
@@ -324,9 +220,7 @@ class Ledger:
 
     def _init_schema(self) -> None:
         with self._tx() as cur:
-            for statement in _SCHEMA.split(";"):
-                if statement.strip():
-                    cur.execute(statement)
+            create_tables(cur)
             row = cur.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
             if row is None:
                 cur.execute("INSERT INTO meta (key, value) VALUES ('schema_version', ?)",
@@ -403,7 +297,7 @@ class Ledger:
                     (lease.group_id, lease.run_id, lease.task_id, lease.behavior_policy_version,
                      canonical_json(lease_dict), content_hash(lease_dict),
                      canonical_json(summary.to_dict()), now, now))
-                _log(cur, lease.group_id, "transition", None, "collected", None, None, None)
+                log_event(cur, lease.group_id, "transition", None, "collected", None, None, None)
         except sqlite3.IntegrityError:
             self._log_rejected([lease.group_id], "duplicate_collection")
             raise DuplicateGroupError(f"group {lease.group_id!r} was already recorded") from None
@@ -446,7 +340,7 @@ class Ledger:
         duplicate is refused before it reaches the gradient, not only when it is marked.
         """
         with self._lock:
-            states = {g: _state_of(self._conn.cursor(), g) for g in group_ids}
+            states = {g: state_of(self._conn.cursor(), g) for g in group_ids}
         for gid, state in states.items():
             if state is None:
                 raise UnknownGroupError(f"group {gid!r} is not in the ledger")
@@ -462,17 +356,17 @@ class Ledger:
         try:
             with self._tx() as cur:
                 for gid in ids:
-                    state = _state_of(cur, gid)
+                    state = state_of(cur, gid)
                     if state is None:
                         raise UnknownGroupError(f"group {gid!r} is not in the ledger")
-                    if (state, to_state) not in _LEGAL:
+                    if (state, to_state) not in LEGAL_TRANSITIONS:
                         cls = (DuplicateConsumptionError if state == to_state == "consumed"
                                else IllegalTransitionError)
                         raise cls(gid, state, to_state)
                     cur.execute("UPDATE groups SET state=?, reason=?, consumed_step=?, "
                                 "output_policy_version=?, updated_at=? WHERE group_id=?",
                                 (to_state, reason, step, version, time.time(), gid))
-                    _log(cur, gid, "transition", state, to_state, reason, step, version)
+                    log_event(cur, gid, "transition", state, to_state, reason, step, version)
         except IllegalTransitionError as exc:
             kind = ("duplicate_consumption" if isinstance(exc, DuplicateConsumptionError)
                     else "illegal_transition")
@@ -483,7 +377,7 @@ class Ledger:
                       to_state: str | None = None) -> None:
         with self._tx() as cur:
             for gid in ids:
-                _log(cur, gid, "rejected", _state_of(cur, gid), to_state, reason, None, None)
+                log_event(cur, gid, "rejected", state_of(cur, gid), to_state, reason, None, None)
 
     # ------------------------------------------------------------------ recovery
     def reconcile_with_checkpoint(self, consumed_ids_in_checkpoint: Iterable[str], step: int,
@@ -502,7 +396,7 @@ class Ledger:
         reverted: list[str] = []
         with self._tx() as cur:
             for gid in sorted(in_ckpt):
-                state = _state_of(cur, gid)
+                state = state_of(cur, gid)
                 if state == "admitted":
                     marked.append(gid)
                 elif state != "consumed":
@@ -529,13 +423,14 @@ class Ledger:
             cur.execute("UPDATE groups SET state='consumed', consumed_step=?, "
                         "output_policy_version=?, updated_at=? WHERE group_id=?",
                         (step, version, now, gid))
-            _log(cur, gid, "reconciled", "admitted", "consumed", "in_checkpoint", step, version)
+            log_event(cur, gid, "reconciled", "admitted", "consumed", "in_checkpoint", step,
+                      version)
         for gid in reverted:
             cur.execute("UPDATE groups SET state='admitted', consumed_step=NULL, "
                         "output_policy_version=NULL, updated_at=? WHERE group_id=?",
                         (now, gid))
-            _log(cur, gid, "reconciled", "consumed", "admitted", "not_in_checkpoint", step,
-                 None)
+            log_event(cur, gid, "reconciled", "consumed", "admitted", "not_in_checkpoint", step,
+                      None)
 
     # ------------------------------------------------------------------ queries
     def get(self, group_id: str) -> GroupRow:
@@ -572,26 +467,7 @@ class Ledger:
     def counts(self) -> LedgerCounts:
         """Count groups per state, incomplete groups, reasons and rejected attempts."""
         with self._lock:
-            c = self._conn
-            per_state = dict(c.execute("SELECT state, COUNT(*) FROM groups GROUP BY state"))
-            reasons = dict(c.execute("SELECT reason, COUNT(*) FROM groups WHERE reason IS NOT "
-                                     "NULL GROUP BY reason"))
-            rejected = dict(c.execute("SELECT reason, COUNT(*) FROM events WHERE "
-                                      "kind='rejected' GROUP BY reason"))
-            reverted = c.execute("SELECT COUNT(*) FROM events WHERE kind='reconciled' AND "
-                                 "to_state='admitted'").fetchone()[0]
-            summaries = c.execute("SELECT lease_json, summary_json FROM groups").fetchall()
-        incomplete = sum(json.loads(s)["n_trajectories"] < json.loads(le)["group_size"]
-                         for le, s in summaries)
-        dup_coll = rejected.pop("duplicate_collection", 0)
-        dup_cons = rejected.pop("duplicate_consumption", 0)
-        return LedgerCounts(
-            collected=per_state.get("collected", 0), admitted=per_state.get("admitted", 0),
-            consumed=per_state.get("consumed", 0), quarantined=per_state.get("quarantined", 0),
-            discarded=per_state.get("discarded", 0), incomplete=incomplete,
-            duplicate_collections_rejected=dup_coll, duplicate_consumptions_rejected=dup_cons,
-            illegal_transitions_rejected=sum(rejected.values()),
-            reverted_by_reconcile=reverted, reasons=reasons)
+            return count_groups(self._conn)
 
     def exactly_once_report(self, expected_group_ids: Iterable[str]) -> ExactlyOnceReport:
         """Account for every expected group id; see :class:`ExactlyOnceReport`."""
@@ -626,19 +502,6 @@ def _require_reason(reason: str) -> str:
     if not isinstance(reason, str) or not reason.strip():
         raise LedgerError("a quarantine or discard needs a non-empty reason")
     return reason
-
-
-def _state_of(cur: sqlite3.Cursor, group_id: str) -> str | None:
-    row = cur.execute("SELECT state FROM groups WHERE group_id=?", (group_id,)).fetchone()
-    return None if row is None else str(row[0])
-
-
-def _log(cur: sqlite3.Cursor, group_id: str, kind: str, from_state: str | None,
-         to_state: str | None, reason: str | None, step: int | None,
-         version: str | None) -> None:
-    cur.execute("INSERT INTO events (group_id, kind, from_state, to_state, reason, "
-                "optimizer_step, output_policy_version, at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (group_id, kind, from_state, to_state, reason, step, version, time.time()))
 
 
 def _row(row: sqlite3.Row) -> GroupRow:

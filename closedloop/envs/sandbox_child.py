@@ -104,8 +104,46 @@ def _make_hook(log_fd: int, writable: tuple[str, ...], readable: tuple[str, ...]
                path_types: tuple[type, ...]) -> Any:
     """Build the audit hook. No function here has free variables: everything each one uses is
     a default argument (immutable, rebinding refused) so frames and closures expose nothing a
-    program could change."""
+    program could change. The hook refuses by event; paths go to ``check_path``."""
     deny_events = MappingProxyType(dict(_DENY))
+    deny = _make_deny(log_fd)
+    check_path = _make_check_path(writable, readable, path_types, _make_resolve(), deny)
+
+    def hook(event: str, args: tuple[Any, ...], _type: Any = type, _int: Any = int,
+             _str: Any = str, _len: Any = len, _check: Any = check_path, _deny: Any = deny,
+             _deny_events: Any = deny_events, _write_events: Any = _WRITE_EVENTS,
+             _read_events: Any = _READ_EVENTS, _deny_imports: Any = _DENY_IMPORTS,
+             _guarded: Any = _GUARDED_ATTRS, _wflags: int = _WFLAGS) -> None:
+        if event == "open":
+            path, mode, flags = args
+            write = (flags & _wflags) != 0 if _type(flags) is _int else (
+                _type(mode) is _str and [c for c in "wax+" if c in mode] != [])
+            _check(event, path, write)
+        elif event.startswith("socket."):
+            _deny("network", event)
+        elif event.startswith("ctypes."):
+            _deny("ctypes", event)
+        elif event in _deny_events:
+            _deny(_deny_events[event], event)
+        elif event in _write_events:
+            if event == "sqlite3.connect" and args and args[0] == ":memory:":
+                return
+            _check(event, args[0], True)
+            if event == "os.rename":
+                _check(event, args[1], True)
+        elif event in _read_events:
+            if args:
+                _check(event, args[0], False)
+        elif event == "import" and args and args[0] in _deny_imports:
+            _deny("import", args[0])
+        elif event == "object.__setattr__" and _len(args) > 1 and args[1] in _guarded:
+            _deny("setattr", args[1])
+
+    return hook
+
+
+def _make_resolve() -> Any:
+    """``resolve(p)``: ``os.path.realpath`` with captured primitives (None past 40 links)."""
 
     def resolve(p: str, _getcwd: Any = posix.getcwd, _lstat: Any = posix.lstat,
                 _readlink: Any = posix.readlink, _os_error: Any = OSError) -> str | None:
@@ -139,6 +177,12 @@ def _make_hook(log_fd: int, writable: tuple[str, ...], readable: tuple[str, ...]
             out.append(name)
         return "/" + "/".join(out)
 
+    return resolve
+
+
+def _make_deny(log_fd: int) -> Any:
+    """``deny(kind, what)``: log the refusal to ``log_fd`` and raise ``PermissionError``."""
+
     def deny(kind: str, what: str, _log_fd: int = log_fd, _write: Any = posix.write,
              _os_error: Any = OSError, _error: Any = PermissionError) -> NoReturn:
         line = f"{kind}: {what}"[:299] + "\n"
@@ -147,6 +191,15 @@ def _make_hook(log_fd: int, writable: tuple[str, ...], readable: tuple[str, ...]
         except _os_error:
             pass
         raise _error(f"sandbox: {kind} refused: {what}")
+
+    return deny
+
+
+def _make_check_path(writable: tuple[str, ...], readable: tuple[str, ...],
+                     path_types: tuple[type, ...], resolve: Any, deny: Any) -> Any:
+    """``check_path(event, path, write)``: refuse a path outside the writable (or, for a read,
+    the readable) roots once symlinks are resolved, or of a type other than str, bytes or
+    ``path_types``."""
 
     def check_path(event: str, path: Any, write: bool, _type: Any = type, _int: Any = int,
                    _str: Any = str, _bytes: Any = bytes, _fspath: Any = posix.fspath,
@@ -168,37 +221,7 @@ def _make_hook(log_fd: int, writable: tuple[str, ...], readable: tuple[str, ...]
         if real is None or not [r for r in roots if real == r or real.startswith(r + "/")]:
             _deny("path", f"{event} {p}{' (write)' if write else ''}")
 
-    def hook(event: str, args: tuple[Any, ...], _type: Any = type, _int: Any = int,
-             _str: Any = str, _len: Any = len, _check: Any = check_path, _deny: Any = deny,
-             _deny_events: Any = deny_events, _write_events: Any = _WRITE_EVENTS,
-             _read_events: Any = _READ_EVENTS, _deny_imports: Any = _DENY_IMPORTS,
-             _guarded: Any = _GUARDED_ATTRS, _wflags: int = _WFLAGS) -> None:
-        if event == "open":
-            path, mode, flags = args
-            write = (flags & _wflags) != 0 if _type(flags) is _int else (
-                _type(mode) is _str and [c for c in "wax+" if c in mode] != [])
-            _check(event, path, write)
-        elif event.startswith("socket."):
-            _deny("network", event)
-        elif event.startswith("ctypes."):
-            _deny("ctypes", event)
-        elif event in _deny_events:
-            _deny(_deny_events[event], event)
-        elif event in _write_events:
-            if event == "sqlite3.connect" and args and args[0] == ":memory:":
-                return
-            _check(event, args[0], True)
-            if event == "os.rename":
-                _check(event, args[1], True)
-        elif event in _read_events:
-            if args:
-                _check(event, args[0], False)
-        elif event == "import" and args and args[0] in _deny_imports:
-            _deny("import", args[0])
-        elif event == "object.__setattr__" and _len(args) > 1 and args[1] in _guarded:
-            _deny("setattr", args[1])
-
-    return hook
+    return check_path
 
 
 def _run(prog: list[str], ws: str) -> None:

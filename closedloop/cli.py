@@ -8,7 +8,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 from closedloop.contracts import ClosedloopError
 from closedloop.engine import tune_allocator
@@ -369,10 +369,27 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+_Subcommands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     p = argparse.ArgumentParser(prog="closedloop", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
+    env_commands = _add_env_commands(sub)
+    commands = [*env_commands, *_add_run_commands(sub), *_add_run_dir_commands(sub)]
+    for sp in commands:
+        sp.add_argument("--json", action="store_true", help="machine-readable output")
+    for sp in env_commands:
+        sp.add_argument("--env", help="registered environment id (default: the terminal tasks)")
+        sp.add_argument("--env-factory", metavar="PKG.MODULE:ATTR",
+                        help="load the environment package from a dotted path")
+        sp.add_argument("--config", help="take the environment from a run config")
+    return p
+
+
+def _add_env_commands(sub: _Subcommands) -> list[argparse.ArgumentParser]:
+    """``tasks``, ``play``, ``replay`` and ``collect``: the commands that take an environment."""
     t = sub.add_parser("tasks", help="list or show tasks")
     t.add_argument("action", choices=["list", "show"])
     t.add_argument("task_id", nargs="?")
@@ -401,6 +418,11 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("--seed", type=int, default=11)
     co.add_argument("--out", help="trace path (default runs/collect/<time>.jsonl)")
     co.set_defaults(fn=cmd_collect)
+    return [t, pl, r, co]
+
+
+def _add_run_commands(sub: _Subcommands) -> list[argparse.ArgumentParser]:
+    """``train``, ``experiment`` and ``smoke``: the commands that run (or resume) training."""
     tr = sub.add_parser("train", help="run or resume training from a YAML config")
     tr.add_argument("config")
     tr.add_argument("--run-dir")
@@ -420,6 +442,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="run N independent replicates (training.seed + 0..N-1), pooled")
     sm.add_argument("--override-config", metavar="REASON", help=OVERRIDE_HELP)
     sm.set_defaults(fn=cmd_smoke)
+    return [tr, ex, sm]
+
+
+def _add_run_dir_commands(sub: _Subcommands) -> list[argparse.ArgumentParser]:
+    """``gates``, ``report`` and ``export``: the commands that read a finished run directory."""
     ga = sub.add_parser("gates", help="evaluate the go/no-go gates of a run directory")
     ga.add_argument("run_dir")
     ga.set_defaults(fn=cmd_gates)
@@ -432,14 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
     xp.add_argument("--out", help="output folder (default RUN_DIR/export/<format>)")
     xp.add_argument("--overwrite", action="store_true", help="replace an existing export")
     xp.set_defaults(fn=cmd_export)
-    for sp in (t, pl, r, co, tr, ex, sm, ga, rp, xp):
-        sp.add_argument("--json", action="store_true", help="machine-readable output")
-    for sp in (t, pl, r, co):
-        sp.add_argument("--env", help="registered environment id (default: the terminal tasks)")
-        sp.add_argument("--env-factory", metavar="PKG.MODULE:ATTR",
-                        help="load the environment package from a dotted path")
-        sp.add_argument("--config", help="take the environment from a run config")
-    return p
+    return [ga, rp, xp]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

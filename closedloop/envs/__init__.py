@@ -1,9 +1,12 @@
-"""Environments: the ``AgentEnv`` contract, the terminal-repair environment, its sandbox and
-tools, exported-state decoding for the verifier, and ``check_env``.
+"""Environments: the terminal-repair environment, its sandbox and tools, exported-state decoding
+for the verifier, the environment packages, and ``check_env``. ``AgentEnv`` and ``SealingEnv``
+(the transition contract, ``closedloop.contracts.transition``) are re-exported here for
+environment authors.
 
 Importing this package has no side effects (the sandbox probes ``unshare`` on first use only).
 """
 
+from closedloop.contracts.transition import AgentEnv, SealingEnv
 from closedloop.envs.check import (
     CheckOptionError,
     EnvCheckReport,
@@ -50,7 +53,6 @@ from closedloop.envs.plugin import (
     UnknownEnvironmentError,
     resolve_package,
 )
-from closedloop.envs.protocol import AgentEnv, SealingEnv
 from closedloop.envs.sandbox import (
     CommandResult,
     SandboxConfig,

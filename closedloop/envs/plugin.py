@@ -5,13 +5,13 @@ An environment package provides everything a run, ``check_env``, the gates and t
 from an environment; nothing outside the package knows its tasks, tools or verifier:
 
 - ``env_id`` (versioned, ``lockbox-v1``) and ``env_version`` (what its ``AgentEnv`` records);
-- ``make_env() -> AgentEnv`` (``closedloop.envs.protocol``); an env that also implements
+- ``make_env() -> AgentEnv`` (``closedloop.contracts.transition``); an env that also implements
   ``SealingEnv`` seals its terminal states (the seal gate checks it, or says it cannot);
 - ``task_sets(TaskSetRequest) -> EnvTaskSets``: train / held-out task ids (versioned family
   ids, content-hashed task ids), and ``task_info(task_id) -> TaskInfo``: family, split and the
   public objective text (never hidden grader data);
-- ``make_verifier() -> TaskVerifier`` (``closedloop.verify.protocol``): scores a task from the
-  exported state bytes only, returning a ``ScoreResult``;
+- ``make_verifier() -> TaskVerifier`` (``closedloop.contracts.verification``): scores a task
+  from the exported state bytes only, returning a ``ScoreResult``;
 - ``tool_schemas`` and ``system_prompt``: the scaffold the renderer shows the model (hashed into
   every ``PolicyManifest``);
 - ``action_sampler(rng, task_id) -> Action | str`` for ``check_env``, and
@@ -49,13 +49,11 @@ from functools import lru_cache
 from importlib import metadata
 from typing import TYPE_CHECKING, Any, Protocol
 
-from closedloop.contracts import Action
+from closedloop.contracts import Action, AgentEnv, GuardedVerifier, TaskVerifier, guarded
 from closedloop.envs.errors import EnvError
-from closedloop.envs.protocol import AgentEnv
 
 if TYPE_CHECKING:  # verify sits above envs: the types only
     from closedloop.verify.fixtures import AdjudicatedFixture
-    from closedloop.verify.protocol import GuardedVerifier, TaskVerifier
 
 ENTRY_POINT_GROUP = "closedloop.environments"
 DEFAULT_ENV_ID = "terminal-repair-v1"
@@ -207,8 +205,6 @@ class EnvPackage:
 
     def verifier(self) -> GuardedVerifier:
         """A fresh verifier, guarded: its own errors become unscored results, never raise."""
-        from closedloop.verify.protocol import guarded  # verify sits above envs
-
         return guarded(self.make_verifier())
 
     def family_split(self, task_id: str) -> tuple[str, str]:

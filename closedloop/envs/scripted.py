@@ -27,8 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from closedloop.contracts import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, Action, Transition
-from closedloop.envs.protocol import AgentEnv
+from closedloop.contracts import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, Action, AgentEnv, Transition
 from closedloop.envs.task import TaskBundle
 
 CORRUPTION = "~"  # never occurs in generated task files, so a corrupted edit is unique

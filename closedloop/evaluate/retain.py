@@ -56,7 +56,7 @@ class SuiteScores(Protocol):
 
 @dataclass(frozen=True)
 class RetainScorer:
-    """A ``Scorer`` (collector protocol) for retain tasks; see the module docstring."""
+    """A ``TaskVerifier`` for retain tasks; see the module docstring."""
 
     verifier: Verifier = field(default_factory=Verifier)
 

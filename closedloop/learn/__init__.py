@@ -1,7 +1,9 @@
 """Update math: credit estimators, loss reducers, KL estimators and objectives.
 
 Pure functions over tensors with named outputs; see each module's docstring for formulas and
-shapes (B episodes, G group members, T token positions, K turns, V vocabulary).
+shapes (B episodes, G group members, T token positions, K turns, V vocabulary). The records and
+protocols the objectives and the trainer satisfy are the update contract,
+``closedloop.contracts.update``.
 """
 
 from closedloop.learn.credit import (
@@ -37,11 +39,9 @@ from closedloop.learn.kl import (
 )
 from closedloop.learn.objectives import (
     OBJECTIVES,
+    BoundObjective,
     ClipRange,
     NonFiniteLogprobError,
-    Objective,
-    ObjectiveInputs,
-    ObjectiveOutput,
     UnknownObjectiveError,
     get_objective,
     normalized_ratio_clip,
@@ -95,10 +95,8 @@ __all__ = [  # noqa: RUF022 -- grouped by module, sorted within each group
     "validate_kl_placement",
     # objectives (closedloop.learn.objectives)
     "OBJECTIVES",
+    "BoundObjective",
     "ClipRange",
-    "Objective",
-    "ObjectiveInputs",
-    "ObjectiveOutput",
     "get_objective",
     "normalized_ratio_clip",
     "ppo_clip",

@@ -14,6 +14,9 @@ micro-batch, rows whose ids agree up to their first action token (GRPO siblings)
 prompt once; the log-probs and the gradient equal ``sequence_logprobs``'s up to fp32 summation
 order. Each micro-batch deduplicates its own rows, so a group split across micro-batches is
 still exact (its prompt is then forwarded once per micro-batch).
+
+``Trainer`` satisfies :class:`closedloop.contracts.update.PolicyUpdater`; its objective is any
+:class:`closedloop.contracts.update.Objective`.
 """
 
 from __future__ import annotations
@@ -25,14 +28,19 @@ from typing import Any
 
 import torch
 
+from closedloop.contracts.update import (
+    Metrics,
+    Objective,
+    ObjectiveInputs,
+    ObjectiveOutput,
+    StepResult,
+)
 from closedloop.engine import check_precision, matmul_precision, trainer_path_logprobs
 from closedloop.learn.credit import LearnError
 from closedloop.learn.kl import KLSpec
-from closedloop.learn.objectives import ClipRange, ObjectiveInputs, ObjectiveOutput, get_objective
+from closedloop.learn.objectives import ClipRange, get_objective
 from closedloop.learn.reducers import reducer_weights
 from closedloop.rollout.tensors import ShiftedTargets, TrainingBatch, shift_targets
-
-Metrics = dict[str, float | int | None]
 
 
 @dataclass(frozen=True)
@@ -62,22 +70,6 @@ class BatchReuseError(LearnError):
     """Several optimizer steps on one batch asked of an objective without ratios."""
 
 
-@dataclass(frozen=True)
-class StepResult:
-    """Named outputs of the optimizer steps on one fresh batch.
-
-    ``metrics`` are those of the first pass (at the batch's behaviour policy, where the ratio
-    πθ/π_beh is ≈ 1), plus ``optim/*``; ``passes`` holds every pass's metrics in order (one per
-    optimizer step; after the first, the ratio has left 1). ``grad_norm`` is the first step's.
-    """
-
-    metrics: Metrics
-    grad_norm: float
-    n_action_tokens: int
-    n_tokens: int
-    passes: tuple[Metrics, ...] = ()
-
-
 def kl_spec_of(cfg: TrainerConfig) -> KLSpec | None:
     """The declared KL term: k-estimator, β, sampled under π_beh, placed in the loss."""
     if cfg.kl_beta <= 0:
@@ -87,7 +79,7 @@ def kl_spec_of(cfg: TrainerConfig) -> KLSpec | None:
 
 
 class Trainer:
-    """Holds the trainable policy, its reference, and the optimizer."""
+    """Holds the trainable policy, its reference, and the optimizer (a ``PolicyUpdater``)."""
 
     def __init__(self, model: torch.nn.Module, config: TrainerConfig,
                  reference: Callable[[], Any] | None = None) -> None:
@@ -99,7 +91,7 @@ class Trainer:
         self.model = model
         self.config = config
         check_precision(config.precision)
-        self.objective = get_objective(config.objective, ClipRange(config.clip_eps))
+        self.objective: Objective = get_objective(config.objective, ClipRange(config.clip_eps))
         if config.optimizer_steps_per_batch < 1:
             raise BatchReuseError("optimizer_steps_per_batch must be >= 1, got "
                                   f"{config.optimizer_steps_per_batch}")

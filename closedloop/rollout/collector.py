@@ -31,11 +31,13 @@ from typing import Any, Protocol
 
 from closedloop.contracts import (
     ActionParseError,
+    AgentEnv,
     Episode,
     GroupLease,
     InfrastructureError,
     PolicyManifest,
     SnapshotMismatchError,
+    TaskVerifier,
     Termination,
     TraceWriter,
     TrajectoryRecord,
@@ -43,9 +45,7 @@ from closedloop.contracts import (
     parse_action,
 )
 from closedloop.contracts.records import ActionKindOrInvalid
-from closedloop.envs.protocol import AgentEnv
 from closedloop.rollout.source import ActionSample, ActionSource, ContextBudgetExceeded
-from closedloop.verify.protocol import TaskVerifier
 
 INFRA_FAILURES: tuple[type[Exception], ...] = (InfrastructureError, TimeoutError)
 """The exceptions the collector records as ``infra_abort``; every other one propagates."""
@@ -66,10 +66,6 @@ class Renderer(Protocol):
     def turn_closed(self, action_ids: Sequence[int]) -> bool:
         """Whether the action's own ids already closed the assistant turn."""
         ...
-
-
-Scorer = TaskVerifier
-"""The verifier's clean-room entry point: the published protocol of ``closedloop.verify``."""
 
 
 @dataclass(frozen=True)
@@ -128,7 +124,7 @@ class Collector:
     """Collects complete groups under one behaviour manifest."""
 
     def __init__(self, source: ActionSource, renderer: Renderer,
-                 env_factory: Callable[[], AgentEnv], scorer: Scorer,
+                 env_factory: Callable[[], AgentEnv], scorer: TaskVerifier,
                  task_info: Callable[[str], tuple[str, str]], manifest: PolicyManifest,
                  run_id: str, writer: TraceWriter | None = None,
                  config: CollectorConfig | None = None) -> None:

@@ -11,9 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from closedloop.contracts import Episode, load_episodes
-from closedloop.envs.protocol import AgentEnv
-from closedloop.rollout.collector import Scorer
+from closedloop.contracts import AgentEnv, Episode, TaskVerifier, load_episodes
 
 
 @dataclass(frozen=True)
@@ -53,7 +51,8 @@ class ReplayReport:
                 "turns": sum(e.turns for e in self.episodes)}
 
 
-def replay_episode(episode: Episode, env: AgentEnv, scorer: Scorer | None) -> EpisodeReplay:
+def replay_episode(episode: Episode, env: AgentEnv, scorer: TaskVerifier | None
+                   ) -> EpisodeReplay:
     """Re-execute one episode's recorded actions in ``env`` and compare."""
     traj = episode.trajectory
     problems: list[str] = []
@@ -86,7 +85,7 @@ def replay_episode(episode: Episode, env: AgentEnv, scorer: Scorer | None) -> Ep
 
 
 def replay_trace(path: str | Path, env_factory: Callable[[], AgentEnv],
-                 scorer: Scorer | None, episode_ids: Sequence[str] | None = None
+                 scorer: TaskVerifier | None, episode_ids: Sequence[str] | None = None
                  ) -> ReplayReport:
     """Replay every episode (or the named ones) of a trace file on fresh environments."""
     _, episodes = load_episodes(path)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from closedloop.config import RunConfig
+from closedloop.contracts import GuardedVerifier
 from closedloop.contracts.metrics_log import MetricsLog
 from closedloop.engine import HFGenerator
 from closedloop.envs.plugin import EnvPackage
@@ -24,7 +25,6 @@ from closedloop.policy.registry import PolicyRegistry
 from closedloop.rollout.admission import AdmissionController
 from closedloop.rollout.ledger import Ledger
 from closedloop.rollout.task_sampler import DifficultyBandSampler
-from closedloop.verify import GuardedVerifier
 
 
 class RunState:

@@ -1,7 +1,8 @@
 """Clean-room verification: reward vectors, tamper detection, validation and the FP/FN audit.
 
 The verifier reads exported state bytes and the hidden grader, never the agent's workspace
-processes or its own claims. See ``closedloop.verify.verifier`` for the reward vector.
+processes or its own claims. See ``closedloop.verify.verifier`` for the reward vector and
+``closedloop.contracts.verification`` for the protocol every verifier satisfies.
 """
 
 from closedloop.verify.audit import FamilyCounts, VerifierAudit, audit_verifier
@@ -12,7 +13,6 @@ from closedloop.verify.fixtures import (
     independent_label,
 )
 from closedloop.verify.graders import GradeResult, UnknownGraderError, grade
-from closedloop.verify.protocol import GuardedVerifier, ScoreResult, TaskVerifier, guarded
 from closedloop.verify.verifier import (
     REWARD_KEYS,
     VERIFIER_VERSION,
@@ -26,8 +26,7 @@ from closedloop.verify.verifier import (
 
 __all__ = [
     "REWARD_KEYS", "VERIFIER_VERSION", "AdjudicatedFixture", "FamilyCounts", "FixtureError",
-    "GradeResult", "GuardedVerifier", "ScoreResult", "TaskValidation", "TaskVerifier",
-    "UnknownGraderError", "ValidationReport",
-    "Verifier", "VerifierAudit", "audit_verifier", "build_fixtures", "check_solvable",
-    "detect_tamper", "grade", "guarded", "independent_label", "replay_actions",
+    "GradeResult", "TaskValidation", "UnknownGraderError", "ValidationReport", "Verifier",
+    "VerifierAudit", "audit_verifier", "build_fixtures", "check_solvable", "detect_tamper",
+    "grade", "independent_label", "replay_actions",
 ]

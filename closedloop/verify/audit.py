@@ -22,8 +22,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from closedloop.contracts import TaskVerifier
 from closedloop.verify.fixtures import AdjudicatedFixture
-from closedloop.verify.protocol import TaskVerifier
 from closedloop.verify.verifier import Verifier
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from closedloop.contracts import Action, ContractError, TamperDetected, sha256_hex
+from closedloop.contracts import Action, ContractError, ScoreResult, TamperDetected, sha256_hex
 from closedloop.envs.scripted import ExpertPolicy, play
 from closedloop.envs.task import TaskBundle
 from closedloop.envs.tasks.base import is_reserved_path
@@ -34,7 +34,6 @@ from closedloop.envs.tasks.registry import get_bundle
 from closedloop.envs.terminal import TerminalRepairEnv
 from closedloop.envs.workspace import ExportedState, decode_state
 from closedloop.verify.graders import GRADERS_VERSION, GradeResult, grade
-from closedloop.verify.protocol import ScoreResult
 
 VERIFIER_VERSION = f"verifier-v1+{GRADERS_VERSION}"
 REWARD_KEYS: tuple[str, ...] = ("task_success", "policy_violation", "collateral_damage",

@@ -26,6 +26,7 @@ from typing import Any
 from closedloop.contracts import (
     Action,
     ActionParseError,
+    ScoreResult,
     SnapshotRef,
     Termination,
     Transition,
@@ -42,7 +43,6 @@ from closedloop.envs.plugin import (
     TaskSetRequest,
 )
 from closedloop.verify.fixtures import AdjudicatedFixture
-from closedloop.verify.protocol import ScoreResult
 
 ENV_ID = "lockbox-v1"
 ENV_VERSION = "lockbox-env-v1"

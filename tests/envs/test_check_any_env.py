@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from closedloop.contracts import Action, SnapshotRef
+from closedloop.contracts import Action, ScoreResult, SnapshotRef
 from closedloop.envs import check_actions
 from closedloop.envs.check import check_env, check_fork_isolation, check_package, find_probe
 from closedloop.envs.check_actions import CheckOptionError, garbage_text, random_actions
@@ -27,7 +27,6 @@ from closedloop.envs.errors import (
     VerifierCheckError,
 )
 from closedloop.envs.plugin import TaskSetRequest
-from closedloop.verify.protocol import ScoreResult
 from tests.envs.fixtures import JSON_TASK, source
 from tests.envs.lockbox import LockboxEnv, LockboxVerifier, lockbox_package, make_package
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from closedloop.config import parse_config
-from closedloop.contracts import ConfigError, ContractError
+from closedloop.contracts import ConfigError, ContractError, ScoreResult, guarded
 from closedloop.envs.plugin import (
     DEFAULT_ENV_ID,
     ENTRY_POINT_GROUP,
@@ -30,7 +30,6 @@ from closedloop.envs.plugin import (
 )
 from closedloop.envs.terminal_package import terminal_package
 from closedloop.runtime import run_package, task_set_request
-from closedloop.verify.protocol import ScoreResult, guarded
 from tests.envs.lockbox import ENV_ID, ENV_VERSION, LockboxVerifier, lockbox_package
 
 FACTORY = "tests.envs.lockbox:lockbox_package"

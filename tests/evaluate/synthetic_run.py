@@ -30,13 +30,14 @@ from closedloop.contracts import (
     TraceWriter,
     sha256_hex,
 )
+from closedloop.contracts.update import ObjectiveInputs
 from closedloop.envs.scripted import ExpertPolicy
 from closedloop.envs.tasks.registry import FAMILIES, generate_task, get_bundle
 from closedloop.evaluate.gates import GateReport, evaluate_gates
 from closedloop.evaluate.heldout import summarize_eval
 from closedloop.learn.checkpoint import save_checkpoint
 from closedloop.learn.credit import group_advantages
-from closedloop.learn.objectives import ObjectiveInputs, reinforce_with_kl
+from closedloop.learn.objectives import reinforce_with_kl
 from closedloop.learn.trainer import TrainerConfig
 from closedloop.policy.registry import PolicyRegistry, version_name
 from closedloop.rollout.admission import AdmissionController, apply_decision

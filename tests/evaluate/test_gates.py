@@ -32,7 +32,7 @@ from closedloop.evaluate.gates import (
     format_table,
     live,
 )
-from closedloop.learn.objectives import Objective
+from closedloop.learn.objectives import BoundObjective as Objective
 from closedloop.policy.registry import PolicyRegistry
 from closedloop.rollout.ledger import DuplicateConsumptionError, Ledger
 from closedloop.verify import graders

@@ -9,10 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from closedloop.contracts.update import ObjectiveInputs
 from closedloop.learn import (
     KLPlacementError,
     KLSpec,
-    ObjectiveInputs,
     UnknownNameError,
     exact_kl,
     kl_k1,

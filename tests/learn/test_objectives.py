@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from closedloop.contracts.update import ObjectiveInputs, ObjectiveOutput
 from closedloop.learn import (
     REDUCERS,
     ClipRange,
@@ -16,8 +17,6 @@ from closedloop.learn import (
     LearnError,
     MaskError,
     NonFiniteLogprobError,
-    ObjectiveInputs,
-    ObjectiveOutput,
     UnknownNameError,
     UnknownObjectiveError,
     get_objective,

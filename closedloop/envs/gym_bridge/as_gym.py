@@ -34,9 +34,8 @@ from typing import Any
 import gymnasium
 from gymnasium import spaces
 
-from closedloop.contracts import Termination
+from closedloop.contracts import AgentEnv, Termination
 from closedloop.envs.errors import EnvError
-from closedloop.envs.protocol import AgentEnv
 
 CHARSET = frozenset(string.printable) - frozenset("\x0b\x0c\r") | {"\ufffd"}
 MAX_OBSERVATION_CHARS = 16384

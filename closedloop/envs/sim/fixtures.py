@@ -12,9 +12,8 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from closedloop.contracts import Action, canonical_json
+from closedloop.contracts import Action, AgentEnv, canonical_json
 from closedloop.envs.errors import EnvError
-from closedloop.envs.protocol import AgentEnv
 from closedloop.envs.sim.catalog import SimTask
 from closedloop.envs.sim.state import decode_sim_state
 from closedloop.verify.fixtures import AdjudicatedFixture

@@ -15,11 +15,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from closedloop.contracts import ClosedloopError
+from closedloop.contracts import ClosedloopError, ScoreResult
 from closedloop.envs.errors import StateDecodeError
 from closedloop.envs.sim.catalog import SimTask, TaskCatalog
 from closedloop.envs.sim.state import SimState, decode_sim_state
-from closedloop.verify.protocol import ScoreResult
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from closedloop.contracts import Episode
+from closedloop.contracts.update import ObjectiveInputs
 from closedloop.evaluate.gates.base import Gate, GateOptions, make_gate
 from closedloop.evaluate.gates.signal import learning_signal
 from closedloop.evaluate.rundir import (
@@ -22,7 +23,7 @@ from closedloop.evaluate.rundir import (
     load_run,
 )
 from closedloop.evaluate.stats import paired_bootstrap_ci
-from closedloop.learn.objectives import ObjectiveInputs, get_objective
+from closedloop.learn.objectives import get_objective
 from closedloop.rollout.tensors import build_training_batch, shift_targets
 
 F64 = torch.float64

@@ -1,8 +1,12 @@
 """Policy-update objectives: one inputs record in, one output record out, chosen by name.
 
-- :mod:`~closedloop.learn.objectives.inputs`: :class:`ObjectiveInputs` (πθ, π_beh and π_ref
-  log-probs, advantages, mask, turn ids, reducer, KL placement) and :class:`ObjectiveOutput`
-  (loss, KL, ratio tails, clip fractions, gradient mass);
+Each satisfies :class:`closedloop.contracts.update.Objective`: it reads one
+:class:`~closedloop.contracts.update.ObjectiveInputs` (πθ, π_beh and π_ref log-probs,
+advantages, mask, turn ids, reducer, KL placement) and returns one
+:class:`~closedloop.contracts.update.ObjectiveOutput` (loss, KL, ratio tails, clip fractions,
+gradient mass).
+
+- :mod:`~closedloop.learn.objectives.inputs`: ``prepare``, the validation of a batch;
 - :mod:`~closedloop.learn.objectives.surrogates`: ``reinforce_with_kl``, ``ppo_clip``,
   ``normalized_ratio_clip`` (formulas in their docstrings);
 - :mod:`~closedloop.learn.objectives.diagnostics`: the KL term and the statistics every
@@ -12,14 +16,10 @@
 """
 
 from closedloop.learn.objectives.diagnostics import token_entropy
-from closedloop.learn.objectives.inputs import (
-    NonFiniteLogprobError,
-    ObjectiveInputs,
-    ObjectiveOutput,
-)
+from closedloop.learn.objectives.inputs import NonFiniteLogprobError
 from closedloop.learn.objectives.registry import (
     OBJECTIVES,
-    Objective,
+    BoundObjective,
     UnknownObjectiveError,
     get_objective,
 )
@@ -33,12 +33,10 @@ from closedloop.learn.objectives.surrogates import (
 
 __all__ = [
     "OBJECTIVES",
+    "BoundObjective",
     "ClipRange",
     "Granularity",
     "NonFiniteLogprobError",
-    "Objective",
-    "ObjectiveInputs",
-    "ObjectiveOutput",
     "UnknownObjectiveError",
     "get_objective",
     "normalized_ratio_clip",

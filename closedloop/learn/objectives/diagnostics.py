@@ -1,5 +1,5 @@
 """The terms every objective shares: the KL term, ratio tails, clip fractions, gradient mass,
-and the assembly of :class:`~closedloop.learn.objectives.inputs.ObjectiveOutput`.
+and the assembly of :class:`~closedloop.contracts.update.ObjectiveOutput`.
 
 KL: k = k_j(log πθ, log π_ref) per action token (:mod:`closedloop.learn.kl`), reduced with the
 objective's weights w_it; placed in the loss as β·Σ w_it k_it when ``kl_spec.beta > 0``. Its
@@ -18,9 +18,10 @@ from typing import NamedTuple
 
 import torch
 
+from closedloop.contracts.update import ObjectiveInputs, ObjectiveOutput
 from closedloop.learn.credit import LearnError
 from closedloop.learn.kl import KLSpec, get_kl_estimator, validate_kl_placement
-from closedloop.learn.objectives.inputs import ObjectiveInputs, ObjectiveOutput, PreparedBatch
+from closedloop.learn.objectives.inputs import PreparedBatch
 from closedloop.learn.reducers import turn_slot_ids
 
 __all__ = ["KLTerm", "finish", "kl_term", "token_entropy"]

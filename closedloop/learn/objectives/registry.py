@@ -1,9 +1,11 @@
 """Objectives by name: what a config's ``update.objective`` and a run's ``trainer.json`` name.
 
-An :class:`Objective` maps one :class:`~closedloop.learn.objectives.inputs.ObjectiveInputs` to
-one :class:`~closedloop.learn.objectives.inputs.ObjectiveOutput`. ``uses_ratio`` says whether
-its loss weighs πθ against π_beh through ρ = πθ/π_beh (with a clip): only such an objective may
-take several optimizer steps on one fresh batch, since after the first step πθ ≠ π_beh and a
+``get_objective(name)`` returns a :class:`BoundObjective`, which satisfies the
+:class:`~closedloop.contracts.update.Objective` protocol: one
+:class:`~closedloop.contracts.update.ObjectiveInputs` in, one
+:class:`~closedloop.contracts.update.ObjectiveOutput` out. ``uses_ratio`` says whether its loss
+weighs πθ against π_beh through ρ = πθ/π_beh (with a clip): only such an objective may take
+several optimizer steps on one fresh batch, since after the first step πθ ≠ π_beh and a
 ratio-free objective would follow the wrong gradient. ``get_objective`` raises
 :class:`UnknownObjectiveError` naming the known objectives.
 """
@@ -13,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from closedloop.contracts.update import Objective, ObjectiveInputs, ObjectiveOutput
 from closedloop.learn.credit import LearnError
-from closedloop.learn.objectives.inputs import ObjectiveInputs, ObjectiveOutput
 from closedloop.learn.objectives.surrogates import (
     ClipRange,
     normalized_ratio_clip,
@@ -22,7 +24,7 @@ from closedloop.learn.objectives.surrogates import (
     reinforce_with_kl,
 )
 
-__all__ = ["OBJECTIVES", "Objective", "UnknownObjectiveError", "get_objective"]
+__all__ = ["OBJECTIVES", "BoundObjective", "UnknownObjectiveError", "get_objective"]
 
 
 class UnknownObjectiveError(LearnError):
@@ -30,8 +32,11 @@ class UnknownObjectiveError(LearnError):
 
 
 @dataclass(frozen=True)
-class Objective:
-    """A named objective with its hyperparameters bound: ``objective(inputs) -> output``."""
+class BoundObjective:
+    """A named objective with its hyperparameters bound: ``objective(inputs) -> output``.
+
+    Satisfies :class:`~closedloop.contracts.update.Objective`.
+    """
 
     name: str
     uses_ratio: bool
@@ -66,4 +71,4 @@ def get_objective(name: str, clip: ClipRange | None = None) -> Objective:
     the clipped ones."""
     if name not in OBJECTIVES:
         raise UnknownObjectiveError(f"unknown objective {name!r}; known: {sorted(OBJECTIVES)}")
-    return Objective(name, OBJECTIVES[name], _bind(name, clip or ClipRange()))
+    return BoundObjective(name, OBJECTIVES[name], _bind(name, clip or ClipRange()))

@@ -1,7 +1,7 @@
 """The policy-gradient surrogates (seed 000 §6, seed 002 §11.4.3): REINFORCE + KL, token-level
 PPO clip, and the length-normalized ratio clip. Each takes one
-:class:`~closedloop.learn.objectives.inputs.ObjectiveInputs` (plus its own hyperparameters) and
-returns one :class:`~closedloop.learn.objectives.inputs.ObjectiveOutput`.
+:class:`~closedloop.contracts.update.ObjectiveInputs` (plus its own hyperparameters) and
+returns one :class:`~closedloop.contracts.update.ObjectiveOutput`.
 
 R_w below is the named reducer: Σ_{i,t} w_it · (per-token term), w from
 :mod:`closedloop.learn.reducers` (or the inputs' precomputed ``weights_B_T``). The PPO-style
@@ -15,14 +15,10 @@ from typing import Literal
 
 import torch
 
+from closedloop.contracts.update import ObjectiveInputs, ObjectiveOutput
 from closedloop.learn.credit import LearnError
 from closedloop.learn.objectives.diagnostics import finish
-from closedloop.learn.objectives.inputs import (
-    ObjectiveInputs,
-    ObjectiveOutput,
-    PreparedBatch,
-    prepare,
-)
+from closedloop.learn.objectives.inputs import PreparedBatch, prepare
 from closedloop.learn.reducers import MaskError, turn_slot_ids
 
 __all__ = ["ClipRange", "Granularity", "normalized_ratio_clip", "ppo_clip", "reinforce_with_kl"]

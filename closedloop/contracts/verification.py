@@ -1,17 +1,21 @@
-"""The published verifier protocol: ``TaskVerifier`` and its typed score record ``ScoreResult``.
+"""The verification contract (seed 000 §4): why the terminal state deserves this reward.
 
-Every environment package (``closedloop.envs.plugin.EnvPackage``) ships a verifier that scores a
-task from the environment's *exported state bytes* only, never from a live environment:
+Every environment package (``closedloop.envs.plugin.EnvPackage``) ships a ``TaskVerifier`` that
+scores a task from the environment's *exported state bytes* only (``AgentEnv.export_state()``
+or a sealed terminal's ``export_sealed``), never from a live environment or the agent's claims:
 
     verifier.score_or_quarantine(task_id, final_state: bytes) -> ScoreResult
 
-A ``ScoreResult`` is either *scored*, a reward vector of named float components that holds
-``task_success`` in [0, 1] (every component finite), or *unscored*: reward ``None`` with the
-reason (tampering, a corrupt state, a verifier failure). Unscored is never 0.
+A ``ScoreResult`` is either *scored*, a reward vector of named float components, every one
+finite, that holds ``task_success`` (``SUCCESS_KEY``) in [0, 1], or *unscored*: reward ``None``
+with the reason (tampering, a corrupt state, a verifier failure). Unscored is never 0. The
+record checks itself on construction (``ContractError``).
 
-``guarded`` wraps any verifier so that its own exception types, a wrong return type or an
-out-of-range score become an unscored result whose reason names the error: a user verifier that
-crashes quarantines the episode instead of stopping the run.
+``guarded`` wraps any verifier in a ``GuardedVerifier``, which enforces the contract at the
+boundary: the verifier's own exception types, a wrong return type or a result for another task
+become an unscored result whose reason names the error (a score outside the contract cannot be
+built at all), so a user verifier that crashes quarantines the episode instead of stopping the
+run. ``EnvPackage.verifier()`` returns its verifier guarded.
 """
 
 from __future__ import annotations
@@ -21,9 +25,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from closedloop.contracts import ContractError
+from closedloop.contracts.errors import ContractError
+
+__all__ = ["SUCCESS_KEY", "GuardedVerifier", "ScoreResult", "TaskVerifier", "guarded"]
 
 SUCCESS_KEY = "task_success"
+"""The reward component every scored result holds, in [0, 1]."""
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,11 @@ observation and changes nothing but the step counter, clock and counters. A comm
 past its limit returns the error code ``tool_timeout`` (the collector decides whether to censor);
 a sandbox infrastructure failure raises ``SandboxInfraError`` and consumes nothing.
 
-Snapshots are immutable states in a content-addressed store shared by an env and its forks;
-``reset`` starts a new store, so snapshots belong to one episode and its forks. When an episode
-ends, its terminal state is sealed: stored as bytes with their hash, exported for the verifier by
-``export_sealed``, and never restorable or forkable into an agent-facing env.
+Snapshots are immutable states in a content-addressed store shared by an env and its forks
+(``closedloop.envs.snapshots.SnapshotBook``); ``reset`` starts a new store, so snapshots belong
+to one episode and its forks. When an episode ends, its terminal state is sealed: stored as bytes
+with their hash, exported for the verifier by ``export_sealed`` (checked by ``decode_sealed``),
+and never restorable or forkable into an agent-facing env.
 """
 
 from __future__ import annotations
@@ -28,21 +29,17 @@ from closedloop.contracts import (
     SnapshotRef,
     Termination,
     Transition,
-    content_hash,
     parse_action,
-    sha256_hex,
 )
 from closedloop.envs.errors import (
     EnvNotResetError,
     EpisodeDoneError,
-    EpisodeNotDoneError,
-    SealedSnapshotError,
     TaskError,
-    UnknownSnapshotError,
     WorkspaceLimitError,
     WorkspacePathError,
 )
 from closedloop.envs.sandbox import SandboxConfig, check_argv
+from closedloop.envs.snapshots import SnapshotBook
 from closedloop.envs.task import TaskSpec
 from closedloop.envs.tools import (
     TOOLS,
@@ -78,45 +75,6 @@ class EnvConfig:
     read_cap_bytes: int = 8192
 
 
-@dataclass(frozen=True)
-class _Entry:
-    ref: SnapshotRef
-    state: WorkspaceState | None = None
-    sealed_bytes: bytes | None = None
-    sealed_bytes_hash: str | None = None
-
-
-class SnapshotStore:
-    """A content-addressed map snapshot_id -> immutable entry, shared by an env and its forks."""
-
-    def __init__(self) -> None:
-        self._entries: dict[str, _Entry] = {}
-
-    def put(self, entry: _Entry) -> None:
-        """Store an entry (ids are content-derived, so re-putting one is a no-op)."""
-        self._entries.setdefault(entry.ref.snapshot_id, entry)
-
-    def get(self, ref: SnapshotRef) -> _Entry:
-        """Return the entry of ``ref``; ``UnknownSnapshotError`` or a mismatch if it differs."""
-        entry = self._entries.get(ref.snapshot_id)
-        if entry is None:
-            raise UnknownSnapshotError(f"snapshot {ref.snapshot_id!r} is not in this store")
-        if entry.ref != ref:
-            raise SnapshotMismatchError(f"snapshot {ref.snapshot_id!r}: the reference's fields "
-                                        "differ from the stored snapshot's")
-        return entry
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-
-def snapshot_id_for(parent: str | None, state: WorkspaceState, label: str) -> str:
-    """Derive a snapshot id from its parent, state hash, RNG hash and label."""
-    digest = content_hash({"parent": parent, "state": state.state_hash,
-                           "rng": state.rng_hash, "label": label})
-    return "snap-" + digest.split(":", 1)[1][:32]
-
-
 def decode_sealed(ref: SnapshotRef, data: bytes) -> ExportedState:
     """Decode sealed bytes and check them against ``ref`` (``SnapshotMismatchError`` if not).
 
@@ -135,14 +93,13 @@ class TerminalRepairEnv:
     env_version: str = ENV_VERSION
 
     def __init__(self, task_source: TaskSource | None = None, config: EnvConfig | None = None,
-                 *, _store: SnapshotStore | None = None) -> None:
+                 *, _store: SnapshotBook[WorkspaceState] | None = None) -> None:
         self._task_source = task_source
         self.config = config or EnvConfig()
-        self._store = _store or SnapshotStore()
+        self._store = _store or SnapshotBook(self.env_version, WorkspaceState.recompute_hashes,
+                                             decode_sealed)
         self._ctx: dict[str, ToolContext] = {}
         self._state: WorkspaceState | None = None
-        self._head: str | None = None
-        self._sealed: SnapshotRef | None = None
         self.branch_id: str | None = None
 
     # -- task loading -------------------------------------------------------------------
@@ -185,9 +142,7 @@ class TerminalRepairEnv:
         spec = self._context(task_id).spec
         files = FileTree(spec.initial_files, self.config.limits)
         self._state = new_state(self.env_version, task_id, seed, spec.step_budget, files)
-        self._store = SnapshotStore()
-        self._head = None
-        self._sealed = None
+        self._store.reset()
         return first_observation(spec, files)
 
     def step(self, action: Action | str) -> Transition:
@@ -213,7 +168,7 @@ class TerminalRepairEnv:
         new = _advance(state, parsed, outcome, rng_after)
         self._state = new
         if new.done:
-            self._seal(new)
+            self._store.seal(new)
         return Transition(outcome.observation, new.done, new.state_hash, new.steps,
                           new.termination, outcome.error)
 
@@ -235,47 +190,19 @@ class TerminalRepairEnv:
 
     def snapshot(self, label: str) -> SnapshotRef:
         """Capture the current state (not allowed once the episode is over)."""
-        state = self._require_state()
-        if state.done:
-            raise EpisodeDoneError("the terminal state is sealed; use sealed_terminal()")
-        ref = self._ref(state, label)
-        self._store.put(_Entry(ref, state=state))
-        self._head = ref.snapshot_id
-        return ref
-
-    def _ref(self, state: WorkspaceState, label: str) -> SnapshotRef:
-        if not isinstance(label, str):
-            raise ContractError("snapshot label must be a string")
-        return SnapshotRef(snapshot_id_for(self._head, state, label), self._head,
-                           state.env_version, state.state_hash, state.rng_hash, label)
+        return self._store.snapshot(self._require_state(), label)
 
     def restore(self, snapshot: SnapshotRef) -> None:
         """Return to a stored snapshot after re-checking its hashes; sealed ones raise."""
-        state = self._checked_state(snapshot)
+        state = self._store.restore(snapshot)
         self._context(state.task_id)
         self._state = state
-        self._head = snapshot.snapshot_id
-        self._sealed = None
-
-    def _checked_state(self, ref: SnapshotRef) -> WorkspaceState:
-        entry = self._store.get(ref)
-        if entry.sealed_bytes is not None or entry.state is None:
-            raise SealedSnapshotError(f"snapshot {ref.snapshot_id!r} is a sealed terminal "
-                                      "state; it is never restored into an agent-facing env")
-        if ref.env_version != self.env_version:
-            raise SnapshotMismatchError(f"snapshot env_version {ref.env_version!r} != "
-                                        f"{self.env_version!r}")
-        state_h, rng_h = entry.state.recompute_hashes()
-        if state_h != ref.state_hash or rng_h != ref.rng_state_hash:
-            raise SnapshotMismatchError(f"snapshot {ref.snapshot_id!r}: stored state hashes "
-                                        "to a different value than the reference")
-        return entry.state
 
     def fork(self, snapshot: SnapshotRef, branch_id: str) -> TerminalRepairEnv:
         """Return an independent env at ``snapshot``; ``branch_id`` never touches the RNG."""
         if not isinstance(branch_id, str):
             raise ContractError("branch_id must be a string")
-        child = TerminalRepairEnv(self._task_source, self.config, _store=self._store)
+        child = TerminalRepairEnv(self._task_source, self.config, _store=self._store.branch())
         child._ctx = self._ctx
         child.restore(snapshot)
         child.branch_id = branch_id
@@ -283,27 +210,13 @@ class TerminalRepairEnv:
 
     # -- sealing ------------------------------------------------------------------------
 
-    def _seal(self, state: WorkspaceState) -> None:
-        data = state.to_bytes()
-        ref = self._ref(state, "terminal")
-        self._store.put(_Entry(ref, sealed_bytes=data, sealed_bytes_hash=sha256_hex(data)))
-        self._sealed = ref
-
     def sealed_terminal(self) -> SnapshotRef:
         """The sealed snapshot of the episode's terminal state (``EpisodeNotDoneError`` before)."""
-        if self._sealed is None:
-            raise EpisodeNotDoneError("the episode has not ended; nothing is sealed")
-        return self._sealed
+        return self._store.sealed_terminal()
 
     def export_sealed(self, ref: SnapshotRef) -> bytes:
         """Return a sealed snapshot's bytes after checking their hash and content against ref."""
-        entry = self._store.get(ref)
-        if entry.sealed_bytes is None or entry.sealed_bytes_hash is None:
-            raise SnapshotMismatchError(f"snapshot {ref.snapshot_id!r} is not sealed")
-        if sha256_hex(entry.sealed_bytes) != entry.sealed_bytes_hash:
-            raise SnapshotMismatchError(f"sealed snapshot {ref.snapshot_id!r} bytes changed")
-        decode_sealed(ref, entry.sealed_bytes)
-        return entry.sealed_bytes
+        return self._store.export_sealed(ref)
 
     def _require_state(self) -> WorkspaceState:
         if self._state is None:

@@ -10,8 +10,9 @@ optional end of episode). ``SimEnv`` does everything else, the same way for ever
 - ``finish`` and ``abstain`` end the episode with ``agent_finish``; rules may end it too (a
   purchase, an answer); ``clock >= budget`` ends it with ``task_budget_exhausted_terminal``;
 - snapshots are immutable states in a store shared by an env and its forks (reset starts a new
-  store); restore re-derives the state hash and refuses a mismatch; a fork is a new env over the
-  same store, so nothing it does reaches its parent or siblings;
+  store; ``closedloop.envs.snapshots.SnapshotBook``); restore re-derives the state hash from the
+  state's bytes and refuses a mismatch; a fork is a new env over the same store, so nothing it
+  does reaches its parent or siblings;
 - the terminal state is sealed when the episode ends (``sealed_terminal``/``export_sealed``),
   and a sealed state is never restored or forked into an agent-facing env;
 - rules whose world cannot hold their whole state say so with a ``snapshot_refusal`` attribute
@@ -35,19 +36,11 @@ from closedloop.contracts import (
     Termination,
     Transition,
     canonical_json,
-    content_hash,
     parse_action,
 )
-from closedloop.envs.errors import (
-    EnvError,
-    EnvNotResetError,
-    EpisodeDoneError,
-    EpisodeNotDoneError,
-    SealedSnapshotError,
-    TaskError,
-    UnknownSnapshotError,
-)
+from closedloop.envs.errors import EnvError, EnvNotResetError, EpisodeDoneError, TaskError
 from closedloop.envs.sim.state import MAX_LOG, SimCounters, SimState, decode_sim_state
+from closedloop.envs.snapshots import SnapshotBook
 
 
 class SnapshotUnsupportedError(EnvError, NotImplementedError):
@@ -104,39 +97,27 @@ def error_observation(code: str, message: str) -> str:
     return canonical_json({"error": {"code": code, "message": message}})
 
 
-@dataclass(frozen=True)
-class _Entry:
-    ref: SnapshotRef
-    state: SimState
-    sealed: bool
+def _rehash(state: SimState) -> tuple[str, str]:
+    """(state hash, RNG hash) of the state its bytes decode to."""
+    decoded = decode_sim_state(state.to_bytes())
+    return decoded.state_hash, decoded.rng_hash
 
 
-class _Store:
-    """snapshot_id -> immutable entry, shared by an env and its forks."""
-
-    def __init__(self) -> None:
-        self.entries: dict[str, _Entry] = {}
-
-    def get(self, ref: SnapshotRef) -> _Entry:
-        entry = self.entries.get(ref.snapshot_id)
-        if entry is None:
-            raise UnknownSnapshotError(f"snapshot {ref.snapshot_id!r} is not in this store")
-        if entry.ref != ref:
-            raise SnapshotMismatchError(f"snapshot {ref.snapshot_id!r}: the reference's fields "
-                                        "differ from the stored snapshot's")
-        return entry
+def _check_sealed(ref: SnapshotRef, data: bytes) -> None:
+    state = decode_sim_state(data)
+    if state.state_hash != ref.state_hash or state.rng_hash != ref.rng_state_hash:
+        raise SnapshotMismatchError(f"sealed snapshot {ref.snapshot_id!r} bytes changed")
 
 
 class SimEnv:
     """An ``AgentEnv`` over ``rules`` (see the module docstring for the contract)."""
 
-    def __init__(self, rules: Rules, *, _store: _Store | None = None) -> None:
+    def __init__(self, rules: Rules, *, _store: SnapshotBook[SimState] | None = None) -> None:
         self.rules = rules
         self.env_version: str = rules.env_version
-        self._store = _store or _Store()
+        self._store = _store or SnapshotBook(self.env_version, _rehash, _check_sealed,
+                                             seal_in_id=True)
         self._state: SimState | None = None
-        self._head: str | None = None
-        self._sealed: SnapshotRef | None = None
         self.branch_id: str | None = None
 
     def reset(self, task_id: str, seed: int) -> str:
@@ -150,9 +131,7 @@ class SimEnv:
             raise TaskError(f"task {task_id!r}: budget must be >= 1, got {opening.budget}")
         self._state = SimState.initial(self.env_version, task_id, seed, opening.budget,
                                        opening.world)
-        self._store = _Store()
-        self._head = None
-        self._sealed = None
+        self._store.reset()
         return opening.observation
 
     def step(self, action: Action | str) -> Transition:
@@ -175,7 +154,7 @@ class SimEnv:
         new = _advance(state, parsed, outcome)
         self._state = new
         if new.done:
-            self._seal(new)
+            self._store.seal(new)
         return Transition(outcome.observation, new.done, new.state_hash, new.steps,
                           new.termination, outcome.error)
 
@@ -200,69 +179,30 @@ class SimEnv:
         """Capture the current state (not once the episode is over: it is sealed)."""
         state = self._require()
         self._refuse("snapshot")
-        if state.done:
-            raise EpisodeDoneError("the terminal state is sealed; use sealed_terminal()")
-        ref = self._put(state, label, sealed=False)
-        self._head = ref.snapshot_id
-        return ref
-
-    def _put(self, state: SimState, label: str, *, sealed: bool) -> SnapshotRef:
-        if not isinstance(label, str):
-            raise ContractError("snapshot label must be a string")
-        digest = content_hash({"parent": self._head, "state": state.state_hash,
-                               "rng": state.rng_hash, "label": label, "sealed": sealed})
-        ref = SnapshotRef("snap-" + digest.split(":", 1)[1][:32], self._head,
-                          state.env_version, state.state_hash, state.rng_hash, label)
-        self._store.entries.setdefault(ref.snapshot_id, _Entry(ref, state, sealed))
-        return ref
+        return self._store.snapshot(state, label)
 
     def restore(self, snapshot: SnapshotRef) -> None:
         """Return to a stored snapshot after re-deriving its hashes; sealed ones raise."""
         self._refuse("restore")
-        entry = self._store.get(snapshot)
-        if entry.sealed:
-            raise SealedSnapshotError(f"snapshot {snapshot.snapshot_id!r} is a sealed terminal "
-                                      "state; it is never restored into an agent-facing env")
-        if snapshot.env_version != self.env_version:
-            raise SnapshotMismatchError(f"snapshot env_version {snapshot.env_version!r} != "
-                                        f"{self.env_version!r}")
-        state = decode_sim_state(entry.state.to_bytes())
-        if state.state_hash != snapshot.state_hash or state.rng_hash != snapshot.rng_state_hash:
-            raise SnapshotMismatchError(f"snapshot {snapshot.snapshot_id!r}: stored state "
-                                        "hashes to a different value than the reference")
-        self._state = state
-        self._head = snapshot.snapshot_id
-        self._sealed = None
+        self._state = self._store.restore(snapshot)
 
     def fork(self, snapshot: SnapshotRef, branch_id: str) -> SimEnv:
         """An independent env at ``snapshot``; ``branch_id`` never changes the state."""
         self._refuse("fork")
         if not isinstance(branch_id, str):
             raise ContractError("branch_id must be a string")
-        child = SimEnv(self.rules, _store=self._store)
+        child = SimEnv(self.rules, _store=self._store.branch())
         child.restore(snapshot)
         child.branch_id = branch_id
         return child
 
-    def _seal(self, state: SimState) -> None:
-        self._sealed = self._put(state, "terminal", sealed=True)
-
     def sealed_terminal(self) -> SnapshotRef:
         """The sealed snapshot of the terminal state (``EpisodeNotDoneError`` before the end)."""
-        if self._sealed is None:
-            raise EpisodeNotDoneError("the episode has not ended; nothing is sealed")
-        return self._sealed
+        return self._store.sealed_terminal()
 
     def export_sealed(self, ref: SnapshotRef) -> bytes:
         """The bytes of a sealed snapshot, checked against the reference's hashes."""
-        entry = self._store.get(ref)
-        if not entry.sealed:
-            raise SnapshotMismatchError(f"snapshot {ref.snapshot_id!r} is not sealed")
-        data = entry.state.to_bytes()
-        state = decode_sim_state(data)
-        if state.state_hash != ref.state_hash or state.rng_hash != ref.rng_state_hash:
-            raise SnapshotMismatchError(f"sealed snapshot {ref.snapshot_id!r} bytes changed")
-        return data
+        return self._store.export_sealed(ref)
 
     def _refuse(self, what: str) -> None:
         reason = getattr(self.rules, "snapshot_refusal", None)

@@ -6,10 +6,11 @@ An environment (``AgentEnv``) is a resettable, snapshotable world an agent acts 
   ``(task_id, seed)`` gives the same first observation and the same ``state_hash()`` every time.
 - **Typed actions, one step each.** ``step`` takes an ``Action`` or raw model text (parsed by
   the env with ``closedloop.contracts.parse_action``) and returns a ``Transition``. Every call
-  consumes one step. Text that does not parse as an action, or an action that fails, returns a
-  structured error observation (``Transition.error`` set) and changes nothing but the step,
-  clock and counters; its effect must not depend on the text (two different unparsable texts
-  from one state lead to one state). ``step`` never raises for anything a model can write.
+  consumes one step. Text that does not parse as an action returns a structured error
+  observation (``Transition.error`` set) and changes nothing but the step, clock and counters;
+  its effect must not depend on the text (two different unparsable texts from one state lead to
+  one state). An action that fails returns its error code the same way. ``step`` never raises
+  for anything a model can write.
 - **Authoritative state for the verifier.** ``export_state()`` returns the canonical bytes of
   the whole state; the verifier scores those bytes, never a live env, and the env never scores
   itself. ``state_hash()`` is the content hash of the same state.

@@ -24,7 +24,8 @@ ratios and the turn clip fraction). Values of any input off the mask are ignored
 fine) and get zero gradient; on the mask every log-prob and advantage must be finite
 (``closedloop.learn.objectives.inputs.prepare`` validates a batch).
 
-This module imports no torch at run time: tensors appear in annotations only.
+At run time this module imports no torch and no layer above the contracts: ``torch.Tensor``,
+``KLSpec`` (``closedloop.learn.kl``) and ``TrainingBatch`` appear in annotations only.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
-if TYPE_CHECKING:  # annotations only: the contracts layer imports neither torch nor learn
+if TYPE_CHECKING:  # annotations only (see the module docstring)
     import torch
 
     from closedloop.learn.kl import KLSpec

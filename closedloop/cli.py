@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeAlias
 
-from closedloop.contracts import ClosedloopError
 from closedloop.engine import tune_allocator
+from closedloop.errors import ClosedloopError, EnvPackageError
 
 OVERRIDE_HELP = ("resume a run directory with a config that differs from the one it "
                  "recorded; REASON and the differing keys are kept in launches.jsonl")
@@ -110,7 +110,7 @@ def _replay_package(args: argparse.Namespace) -> Any:
     """``--env``/``--env-factory``/``--config``; else the config of the run the trace is in;
     else the registered package of the trace's env version (``EnvPackageError`` if none)."""
     from closedloop.contracts import read_trace
-    from closedloop.envs.plugin import EnvPackageError, package_for_version, resolve_section
+    from closedloop.envs.plugin import package_for_version, resolve_section
 
     if args.env or args.env_factory or args.config:
         return _package(args)

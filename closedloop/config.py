@@ -17,9 +17,10 @@ from typing import Any, Literal
 
 import yaml
 
-from closedloop.contracts import ConfigError, SamplerConfig, canonical_json, content_hash
-from closedloop.contracts.schema import FieldError, decode_record, encode_record
+from closedloop.contracts import SamplerConfig, canonical_json, content_hash
+from closedloop.contracts.schema import decode_record, encode_record
 from closedloop.envs.tasks.base import HINT_LEVELS
+from closedloop.errors import ConfigError, FieldError
 from closedloop.learn.objectives import OBJECTIVES
 
 

@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Any, Literal, Union
 
 from closedloop.contracts import (
-    ClosedloopError,
     GroupLease,
     TrajectoryRecord,
     TurnRecord,
@@ -46,24 +45,17 @@ from closedloop.contracts import (
     sha256_hex,
 )
 from closedloop.contracts.schema import decode_record
+from closedloop.errors import (
+    ExportDependencyError,
+    ExportError,
+    ExportMismatchError,
+)
 
 EXPORT_FORMAT = "closedloop-export-v1"
 Format = Literal["parquet", "hf"]
 TABLES: Mapping[str, type] = {"turns": TurnRecord, "trajectories": TrajectoryRecord,
                               "groups": GroupLease}
 _KIND_TABLE = {"turn": "turns", "trajectory": "trajectories", "group": "groups"}
-
-
-class ExportError(ClosedloopError):
-    """A run cannot be exported (no traces, a bad format, an existing output)."""
-
-
-class ExportDependencyError(ExportError):
-    """pyarrow or datasets is missing: install the extra ``closedloop[export]``."""
-
-
-class ExportMismatchError(ExportError):
-    """A record read back from the export differs from its JSONL record (names which)."""
 
 
 @dataclass(frozen=True)

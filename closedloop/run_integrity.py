@@ -38,14 +38,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from closedloop.contracts import ClosedloopError
 from closedloop.contracts.metrics_log import MetricsLog
-from closedloop.learn.checkpoint import (
-    Checkpoint,
+from closedloop.errors import (
     CheckpointCorruptError,
-    list_checkpoints,
-    load_checkpoint,
+    ConfigDriftError,
+    RunDirectoryError,
+    RunLockedError,
+    RunStateError,
 )
+from closedloop.learn.checkpoint import Checkpoint, list_checkpoints, load_checkpoint
 from closedloop.policy.registry import fsync_dir, version_index, version_name
 from closedloop.progress import log
 from closedloop.rollout.ledger import Ledger
@@ -57,29 +58,6 @@ __all__ = ["CheckpointSurvey", "ConfigDriftError", "RunDirectoryError", "RunLock
            "survey_checkpoints"]
 
 NEW_RUN_DIR = "start a new run directory (--run-dir)"
-
-
-class RunDirectoryError(ClosedloopError):
-    """A run directory's file disagrees with the rest of the run. Names the file, the
-    problem and how to recover."""
-
-    def __init__(self, path: str | Path, problem: str, recovery: str) -> None:
-        super().__init__(f"{path}: {problem}. To recover: {recovery}")
-        self.path = str(path)
-        self.problem = problem
-        self.recovery = recovery
-
-
-class ConfigDriftError(RunDirectoryError):
-    """The resolved config differs from the one the run directory recorded."""
-
-
-class RunStateError(RunDirectoryError):
-    """Checkpoints, ledger, registry, metrics and traces cannot be reconciled."""
-
-
-class RunLockedError(RunDirectoryError):
-    """Another process holds the run directory."""
 
 
 # ----------------------------------------------------------------------------- lock

@@ -15,7 +15,6 @@ from typing import Any
 from closedloop.config import EnvironmentSection, RunConfig
 from closedloop.contracts import (
     PARSER_VERSION,
-    ConfigError,
     PolicyManifest,
     SamplerConfig,
     TaskVerifier,
@@ -23,6 +22,7 @@ from closedloop.contracts import (
 )
 from closedloop.envs.plugin import EnvPackage, TaskSetRequest, resolve_section
 from closedloop.envs.terminal_package import AGENT_TOOLS, SYSTEM_PROMPT, make_env, terminal_package
+from closedloop.errors import ConfigError
 from closedloop.rollout.collector import Collector, CollectorConfig
 from closedloop.rollout.source import ActionSource
 

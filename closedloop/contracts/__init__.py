@@ -18,18 +18,6 @@ from closedloop.contracts.action import (
     Action,
     parse_action,
 )
-from closedloop.contracts.errors import (
-    ActionParseError,
-    ClosedloopError,
-    ConfigError,
-    ContractError,
-    InfrastructureError,
-    MixedPolicyGroupError,
-    SnapshotMismatchError,
-    StalePolicyError,
-    TamperDetected,
-    TraceFormatError,
-)
 from closedloop.contracts.hashing import canonical_json, content_hash, sha256_hex
 from closedloop.contracts.manifest import PolicyManifest, SamplerConfig
 from closedloop.contracts.records import GroupLease, TrajectoryRecord, TurnRecord
@@ -58,6 +46,18 @@ from closedloop.contracts.verification import (
     ScoreResult,
     TaskVerifier,
     guarded,
+)
+from closedloop.errors import (
+    ActionParseError,
+    ClosedloopError,
+    ConfigError,
+    ContractError,
+    InfrastructureError,
+    MixedPolicyGroupError,
+    SnapshotMismatchError,
+    StalePolicyError,
+    TamperDetected,
+    TraceFormatError,
 )
 
 __all__ = [  # noqa: RUF022 -- grouped by contract and record kind, sorted within each group

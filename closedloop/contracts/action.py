@@ -19,8 +19,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from closedloop.contracts.errors import ActionParseError, ContractError
 from closedloop.contracts.hashing import canonical_json
+from closedloop.errors import ActionParseError, ContractError
 
 ActionKind = Literal["tool", "finish", "abstain"]
 TOOL_CALL_OPEN = "<tool_call>"

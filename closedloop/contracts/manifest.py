@@ -12,8 +12,8 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from closedloop.contracts.errors import ContractError
 from closedloop.contracts.hashing import content_hash, is_content_hash
+from closedloop.errors import ContractError
 
 
 @dataclass(frozen=True)

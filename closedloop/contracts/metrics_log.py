@@ -23,7 +23,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from closedloop.contracts.errors import ContractError
+from closedloop.errors import MetricsFormatError
 
 __all__ = ["VOLATILE", "MetricsFormatError", "MetricsKey", "MetricsLog", "metrics_key",
            "read_metrics"]
@@ -31,18 +31,6 @@ __all__ = ["VOLATILE", "MetricsFormatError", "MetricsKey", "MetricsLog", "metric
 MetricsKey = tuple[str, int | None, str | None]
 VOLATILE = frozenset({"time", "seconds"})
 """Fields that differ between two honest writes of one record (never compared)."""
-
-
-class MetricsFormatError(ContractError):
-    """A metrics line is corrupt or repeats a key. Names the file, the 1-based line (0 for the
-    whole file), the field and the reason."""
-
-    def __init__(self, path: str | Path, line: int, field: str, reason: str) -> None:
-        super().__init__(f"{path}: metrics line {line}: field {field!r}: {reason}")
-        self.path = str(path)
-        self.line = line
-        self.field = field
-        self.reason = reason
 
 
 def metrics_key(record: Mapping[str, Any]) -> MetricsKey:

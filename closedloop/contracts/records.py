@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from closedloop.contracts.manifest import SamplerConfig
-from closedloop.contracts.schema import FieldError
 from closedloop.contracts.termination import Termination
+from closedloop.errors import FieldError
 
 ActionKindOrInvalid = Literal["tool", "finish", "abstain", "invalid"]
 GenerationFinish = Literal["stop", "eos", "length", "scripted"]

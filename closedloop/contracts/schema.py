@@ -15,18 +15,9 @@ from enum import Enum
 from functools import cache
 from typing import Any, TypeVar, Union
 
-from closedloop.contracts.errors import ContractError
+from closedloop.errors import ContractError, FieldError
 
 T = TypeVar("T")
-
-
-class FieldError(ContractError):
-    """One field of a record is wrong."""
-
-    def __init__(self, field: str, reason: str) -> None:
-        super().__init__(f"{field}: {reason}")
-        self.field = field
-        self.reason = reason
 
 
 @cache

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from closedloop.contracts.errors import TraceFormatError
 from closedloop.contracts.hashing import canonical_json
 from closedloop.contracts.records import (
     RECORD_TYPES,
@@ -24,7 +23,8 @@ from closedloop.contracts.records import (
     TrajectoryRecord,
     TurnRecord,
 )
-from closedloop.contracts.schema import FieldError, decode_record, encode_record
+from closedloop.contracts.schema import decode_record, encode_record
+from closedloop.errors import FieldError, TraceFormatError
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 

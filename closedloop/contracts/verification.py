@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from closedloop.contracts.errors import ContractError
+from closedloop.errors import ContractError
 
 __all__ = ["SUCCESS_KEY", "GuardedVerifier", "ScoreResult", "TaskVerifier", "guarded"]
 

@@ -21,10 +21,9 @@ model and imports no ``transformers``.
 
 from closedloop.engine.allocator import tune_allocator
 from closedloop.engine.hf_generator import GeneratorStats, HFGenerator, SessionId
-from closedloop.engine.logprobs import LogprobInputError, sequence_logprobs
+from closedloop.engine.logprobs import sequence_logprobs
 from closedloop.engine.precision import (
     PRECISIONS,
-    PrecisionError,
     check_precision,
     drop_bf16_copies,
     matmul_precision,
@@ -36,6 +35,7 @@ from closedloop.engine.prefix_logprobs import (
     trainer_path_logprobs,
 )
 from closedloop.engine.reference import reference_generate, reference_logprobs
+from closedloop.errors import LogprobInputError, PrecisionError
 
 __all__ = [  # noqa: RUF022 -- grouped by topic, sorted within each group
     # generation

@@ -49,11 +49,10 @@ from closedloop.contracts import TOOL_CALL_CLOSE, SamplerConfig
 from closedloop.engine.decode_copy import DecodeCopy
 from closedloop.engine.llama_decode import LlamaDecodeCopy, supports
 from closedloop.engine.precision import check_precision, matmul_precision
+from closedloop.errors import ContextOverflowError, GenerationError
 from closedloop.policy.generator import (
-    ContextOverflowError,
     FinishReason,
     Generation,
-    GenerationError,
     StopMatcher,
     default_stop_token_ids,
 )

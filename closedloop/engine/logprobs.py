@@ -24,12 +24,8 @@ from typing import Any
 
 import torch
 
-from closedloop.contracts import ContractError
 from closedloop.engine.vocab_scoring import target_logprobs
-
-
-class LogprobInputError(ContractError):
-    """Ids and masks disagree in shape, or a row's real tokens are not contiguous."""
+from closedloop.errors import LogprobInputError
 
 
 def sequence_logprobs(model: Any, token_ids_B_T: torch.Tensor,

@@ -40,11 +40,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from closedloop.errors import PrecisionError
+
 PRECISIONS = ("float32", "bfloat16")
-
-
-class PrecisionError(ValueError):
-    """An unknown matmul precision name."""
 
 
 def check_precision(name: str) -> str:

@@ -29,14 +29,10 @@ from typing import Any
 
 import torch
 
-from closedloop.engine.logprobs import (
-    LogprobInputError,
-    _decoder_and_head,
-    checked_targets,
-    sequence_logprobs,
-)
+from closedloop.engine.logprobs import _decoder_and_head, checked_targets, sequence_logprobs
 from closedloop.engine.packed_prefix import packed_decoder_call, packed_layout, packs
 from closedloop.engine.vocab_scoring import target_logprobs
+from closedloop.errors import LogprobInputError
 
 
 def prompt_prefix_lengths(target_mask_B_T: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,6 @@ Importing this package has no side effects (the sandbox probes ``unshare`` on fi
 
 from closedloop.contracts.transition import AgentEnv, SealingEnv
 from closedloop.envs.check import (
-    CheckOptionError,
     EnvCheckReport,
     check_env,
     check_fork_isolation,
@@ -19,38 +18,11 @@ from closedloop.envs.check import (
     random_actions,
     replay_property,
 )
-from closedloop.envs.errors import (
-    EnvCheckError,
-    EnvError,
-    EnvNotResetError,
-    EnvRaisedError,
-    EnvVersionMismatchError,
-    EpisodeDoneError,
-    EpisodeNotDoneError,
-    ForkIsolationError,
-    InvalidActionEffectError,
-    ProbeNoEffectError,
-    ReplayMismatchError,
-    ResetNondeterminismError,
-    RestoreMismatchError,
-    SandboxCommandError,
-    SandboxInfraError,
-    SealedSnapshotError,
-    StateDecodeError,
-    StepNondeterminismError,
-    TaskError,
-    UnknownSnapshotError,
-    VerifierCheckError,
-    WorkspaceLimitError,
-    WorkspacePathError,
-)
 from closedloop.envs.plugin import (
     EnvPackage,
-    EnvPackageError,
     EnvTaskSets,
     TaskInfo,
     TaskSetRequest,
-    UnknownEnvironmentError,
     resolve_package,
 )
 from closedloop.envs.sandbox import (
@@ -75,6 +47,34 @@ from closedloop.envs.workspace import (
     WorkspaceState,
     decode_state,
     normalize_path,
+)
+from closedloop.errors import (
+    CheckOptionError,
+    EnvCheckError,
+    EnvError,
+    EnvNotResetError,
+    EnvPackageError,
+    EnvRaisedError,
+    EnvVersionMismatchError,
+    EpisodeDoneError,
+    EpisodeNotDoneError,
+    ForkIsolationError,
+    InvalidActionEffectError,
+    ProbeNoEffectError,
+    ReplayMismatchError,
+    ResetNondeterminismError,
+    RestoreMismatchError,
+    SandboxCommandError,
+    SandboxInfraError,
+    SealedSnapshotError,
+    StateDecodeError,
+    StepNondeterminismError,
+    TaskError,
+    UnknownEnvironmentError,
+    UnknownSnapshotError,
+    VerifierCheckError,
+    WorkspaceLimitError,
+    WorkspacePathError,
 )
 
 # contract and tasks

@@ -39,12 +39,13 @@ from closedloop.envs.check_actions import (
     DEFAULT_WEIGHTS,
     ActionLike,
     ActionMix,
-    CheckOptionError,
     Sampler,
     garbage_text,
     random_actions,
 )
-from closedloop.envs.errors import (
+from closedloop.envs.task import TaskSpec
+from closedloop.errors import (
+    CheckOptionError,
     EnvCheckError,
     EnvRaisedError,
     EnvVersionMismatchError,
@@ -57,7 +58,6 @@ from closedloop.envs.errors import (
     StepNondeterminismError,
     VerifierCheckError,
 )
-from closedloop.envs.task import TaskSpec
 
 if TYPE_CHECKING:
     from closedloop.envs.plugin import EnvPackage

@@ -24,9 +24,9 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from closedloop.contracts import Action, ActionParseError, parse_action
-from closedloop.envs.errors import EnvError
+from closedloop.contracts import Action, parse_action
 from closedloop.envs.task import TaskSpec
+from closedloop.errors import ActionParseError, CheckOptionError
 
 ActionLike = Action | str
 Sampler = Callable[[random.Random, str], ActionLike]
@@ -39,10 +39,6 @@ GARBAGE: tuple[str, ...] = (
     '<tool_call>{"name": "finish"}</tool_call> trailing', "</tool_call>",
     '<tool_call>{"name": "Read-File"}</tool_call>', '{"name": "finish"}')
 """Texts that never parse as an action (``closedloop.contracts.parse_action`` rejects each)."""
-
-
-class CheckOptionError(EnvError):
-    """A ``check_env`` option is invalid (unknown weight key, negative weight, no source)."""
 
 
 def check_weights(weights: Mapping[str, float] | None, known: Mapping[str, float],

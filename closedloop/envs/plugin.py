@@ -50,7 +50,7 @@ from importlib import metadata
 from typing import TYPE_CHECKING, Any, Protocol
 
 from closedloop.contracts import Action, AgentEnv, GuardedVerifier, TaskVerifier, guarded
-from closedloop.envs.errors import EnvError
+from closedloop.errors import EnvPackageError, UnknownEnvironmentError
 
 if TYPE_CHECKING:  # verify sits above envs: the types only
     from closedloop.verify.fixtures import AdjudicatedFixture
@@ -70,14 +70,6 @@ ALIASES: Mapping[str, str] = {"deterministic_terminal": "terminal-repair-v1"}
 ENV_ID_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]*-v[0-9]+$")
 DOTTED_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 SCRIPTED_KINDS = ("expert", "noisy", "random")
-
-
-class EnvPackageError(EnvError):
-    """An environment package is invalid, cannot be loaded, or is not what was asked for."""
-
-
-class UnknownEnvironmentError(EnvPackageError):
-    """No package is registered under the id (the message lists the known ids)."""
 
 
 class ScriptedPolicyLike(Protocol):

@@ -46,14 +46,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from closedloop.envs.errors import (
+from closedloop.envs.sandbox_child import BOOT_FAILURE_EXIT
+from closedloop.envs.workspace import FileTree, WorkspaceLimits, normalize_path
+from closedloop.errors import (
     SandboxCommandError,
     SandboxInfraError,
     WorkspaceLimitError,
     WorkspacePathError,
 )
-from closedloop.envs.sandbox_child import BOOT_FAILURE_EXIT
-from closedloop.envs.workspace import FileTree, WorkspaceLimits, normalize_path
 
 PYTHON_NAMES = ("python3", "python")
 SANDBOX_PATH = "/sandbox"

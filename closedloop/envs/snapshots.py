@@ -27,17 +27,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
-from closedloop.contracts import (
+from closedloop.contracts import SnapshotRef, content_hash, sha256_hex
+from closedloop.errors import (
     ContractError,
-    SnapshotMismatchError,
-    SnapshotRef,
-    content_hash,
-    sha256_hex,
-)
-from closedloop.envs.errors import (
     EpisodeDoneError,
     EpisodeNotDoneError,
     SealedSnapshotError,
+    SnapshotMismatchError,
     UnknownSnapshotError,
 )
 

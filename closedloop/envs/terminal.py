@@ -21,23 +21,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from closedloop.contracts import (
-    Action,
-    ActionParseError,
-    ContractError,
-    SnapshotMismatchError,
-    SnapshotRef,
-    Termination,
-    Transition,
-    parse_action,
-)
-from closedloop.envs.errors import (
-    EnvNotResetError,
-    EpisodeDoneError,
-    TaskError,
-    WorkspaceLimitError,
-    WorkspacePathError,
-)
+from closedloop.contracts import Action, SnapshotRef, Termination, Transition, parse_action
 from closedloop.envs.sandbox import SandboxConfig, check_argv
 from closedloop.envs.snapshots import SnapshotBook
 from closedloop.envs.task import TaskSpec
@@ -60,6 +44,16 @@ from closedloop.envs.workspace import (
     decode_state,
     draw_seed,
     new_state,
+)
+from closedloop.errors import (
+    ActionParseError,
+    ContractError,
+    EnvNotResetError,
+    EpisodeDoneError,
+    SnapshotMismatchError,
+    TaskError,
+    WorkspaceLimitError,
+    WorkspacePathError,
 )
 
 ENV_VERSION = "terminal-repair-v1"

@@ -22,16 +22,11 @@ from typing import Any
 
 from closedloop.contracts import Action
 from closedloop.envs.check import random_actions
-from closedloop.envs.plugin import (
-    EnvPackage,
-    EnvPackageError,
-    EnvTaskSets,
-    TaskInfo,
-    TaskSetRequest,
-)
+from closedloop.envs.plugin import EnvPackage, EnvTaskSets, TaskInfo, TaskSetRequest
 from closedloop.envs.scripted import ExpertPolicy, NoisyExpertPolicy, RandomPolicy
 from closedloop.envs.tasks.registry import get_bundle, get_spec
 from closedloop.envs.terminal import ENV_VERSION, TerminalRepairEnv
+from closedloop.errors import EnvPackageError
 
 ENV_ID = "terminal-repair-v1"
 SYSTEM_PROMPT = (

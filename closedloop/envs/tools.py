@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from closedloop.contracts import Action, canonical_json
-from closedloop.envs.errors import WorkspaceLimitError, WorkspacePathError
 from closedloop.envs.sandbox import SandboxConfig, run_command, truncation_label
 from closedloop.envs.task import TaskSpec
 from closedloop.envs.workspace import (
@@ -30,6 +29,7 @@ from closedloop.envs.workspace import (
     bounded,
     normalize_path,
 )
+from closedloop.errors import ToolFailure, WorkspaceLimitError, WorkspacePathError
 
 MAX_RUN_ARGS = 32
 MAX_ARG_CHARS = 1024
@@ -60,16 +60,6 @@ class ToolOutcome:
     violations: tuple[tuple[str, str], ...] = ()
     command_ran: bool = False
     timed_out: bool = False
-
-
-class ToolFailure(Exception):
-    """Internal: a tool call failed with ``code``; becomes an error observation."""
-
-    def __init__(self, code: str, message: str, violation: str | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.violation = violation
 
 
 def error_observation(code: str, message: str) -> str:

@@ -23,7 +23,7 @@ from functools import cached_property
 from typing import Any
 
 from closedloop.contracts import Termination, canonical_json, content_hash, sha256_hex
-from closedloop.envs.errors import StateDecodeError, WorkspaceLimitError, WorkspacePathError
+from closedloop.errors import StateDecodeError, WorkspaceLimitError, WorkspacePathError
 
 STATE_FORMAT = "closedloop-state-v1"
 RESERVED_PREFIXES = (".grader", ".closedloop")

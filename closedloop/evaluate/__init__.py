@@ -5,10 +5,9 @@ Importing this package imports only the statistics; the rest is imported from it
 (``closedloop.evaluate.gates``, ``closedloop.evaluate.report``, ...), which load torch.
 """
 
+from closedloop.errors import EmptySampleError, StatsInputError
 from closedloop.evaluate.stats import (
     BootstrapCI,
-    EmptySampleError,
-    StatsInputError,
     bootstrap_mean_ci,
     paired_bootstrap_ci,
     pass_at_k,

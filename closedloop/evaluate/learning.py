@@ -19,7 +19,8 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from closedloop.envs.tasks.base import UnknownTaskError, template_level
+from closedloop.envs.tasks.base import template_level
+from closedloop.errors import UnknownTaskError
 from closedloop.evaluate.rundir import RunDir
 from closedloop.evaluate.stats import wilson_interval
 

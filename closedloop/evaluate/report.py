@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from closedloop.errors import StatsInputError
 from closedloop.evaluate.gates import GateOptions, GateReport, evaluate_gates, main_run_of
 from closedloop.evaluate.heldout import EvalSummary
 from closedloop.evaluate.learning import cold_start_table, heldout_curve, zero_variance_table
@@ -42,7 +43,7 @@ from closedloop.evaluate.rundir import (
     find_arms,
     load_run,
 )
-from closedloop.evaluate.stats import StatsInputError, paired_bootstrap_ci, wilson_interval
+from closedloop.evaluate.stats import paired_bootstrap_ci, wilson_interval
 
 __all__ = ["REPORT_SCHEMA", "build_report", "capability_claim", "render_html", "write_report"]
 

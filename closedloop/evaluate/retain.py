@@ -25,12 +25,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from closedloop.contracts import ContractError, Episode
+from closedloop.contracts import Episode
 from closedloop.envs.task import TaskBundle
 from closedloop.envs.tasks.retain import RETAIN_SUITES, STATE_GRADERS, suite_of
 from closedloop.envs.workspace import decode_state
+from closedloop.errors import ContractError, RetainSuiteMismatchError
 from closedloop.evaluate.heldout import EvalSummary, summarize_eval
-from closedloop.evaluate.stats import StatsInputError, paired_bootstrap_ci
+from closedloop.evaluate.stats import paired_bootstrap_ci
 from closedloop.verify.verifier import (
     ScoreResult,
     Verifier,
@@ -40,10 +41,6 @@ from closedloop.verify.verifier import (
 )
 
 RETAIN_SCORER_VERSION = "retain-state-graders-v1"
-
-
-class RetainSuiteMismatchError(StatsInputError):
-    """The two evaluations to compare do not cover the same retain suites."""
 
 
 class SuiteScores(Protocol):

@@ -22,16 +22,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 from closedloop.contracts import (
-    ClosedloopError,
     Episode,
     GroupLease,
-    TraceFormatError,
     TrajectoryRecord,
     TurnRecord,
     assemble_episodes,
     record_from_line,
 )
 from closedloop.contracts.records import TraceRecord
+from closedloop.errors import RunDirError, TraceFormatError
 from closedloop.evaluate.heldout import EvalSummary, summarize_eval
 from closedloop.policy.registry import PolicyRegistry
 from closedloop.rollout.ledger import Ledger
@@ -42,10 +41,6 @@ __all__ = ["RunDir", "RunDirError", "TraceFile", "TraceLine", "arm_evaluation", 
 
 TraceKind = Literal["demo", "step", "eval", "other"]
 _STEP_RE = re.compile(r"^step-(\d+)$")
-
-
-class RunDirError(ClosedloopError):
-    """The path is not a readable run (or experiment) directory."""
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from typing import NamedTuple, cast
 
 import numpy as np
 
-from closedloop.contracts.errors import ContractError
+from closedloop.errors import EmptySampleError, StatsInputError
 
 __all__ = [
     "BootstrapCI",
@@ -36,14 +36,6 @@ __all__ = [
 
 PerTask = Mapping[str, float] | Sequence[float] | np.ndarray
 """Per-task scores: a mapping keyed by task id, or a 1-D sequence aligned by position."""
-
-
-class StatsInputError(ContractError, ValueError):
-    """Counts or samples handed to a statistics function are inconsistent."""
-
-
-class EmptySampleError(StatsInputError):
-    """An interval was asked for with no observations (n = 0 or an empty sample)."""
 
 
 class BootstrapCI(NamedTuple):

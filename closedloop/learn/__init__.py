@@ -6,15 +6,21 @@ protocols the objectives and the trainer satisfy are the update contract,
 ``closedloop.contracts.update``.
 """
 
+from closedloop.errors import (
+    GroupTooSmallError,
+    KLPlacementError,
+    LearnError,
+    MaskError,
+    NonFiniteLogprobError,
+    NonFiniteRewardError,
+    UnknownNameError,
+    UnknownObjectiveError,
+)
 from closedloop.learn.credit import (
     CENSOR_RULES,
     ESTIMATORS,
     CreditSummary,
     GroupCredit,
-    GroupTooSmallError,
-    LearnError,
-    NonFiniteRewardError,
-    UnknownNameError,
     dr_grpo,
     get_estimator,
     group_advantages,
@@ -27,7 +33,6 @@ from closedloop.learn.credit import (
 )
 from closedloop.learn.kl import (
     KL_ESTIMATORS,
-    KLPlacementError,
     KLSpec,
     exact_kl,
     get_kl_estimator,
@@ -41,8 +46,6 @@ from closedloop.learn.objectives import (
     OBJECTIVES,
     BoundObjective,
     ClipRange,
-    NonFiniteLogprobError,
-    UnknownObjectiveError,
     get_objective,
     normalized_ratio_clip,
     ppo_clip,
@@ -52,7 +55,6 @@ from closedloop.learn.objectives import (
 from closedloop.learn.reducers import (
     GROUP_REWARD_SCALES,
     REDUCERS,
-    MaskError,
     ReducedLoss,
     apply_group_reward_scale,
     get_reducer,

@@ -31,13 +31,14 @@ from typing import Any
 
 import torch
 
-from closedloop.contracts import ContractError, Episode, SamplerConfig
+from closedloop.contracts import Episode, SamplerConfig
 from closedloop.engine import (
     drop_bf16_copies,
     matmul_precision,
     precision_label,
     trainer_path_logprobs,
 )
+from closedloop.errors import ContractError
 from closedloop.rollout.tensors import (
     ShiftedTargets,
     TrainingBatch,

@@ -46,8 +46,12 @@ import numpy as np
 import torch
 from safetensors.torch import load as load_safetensors
 
-from closedloop.contracts.errors import ClosedloopError
 from closedloop.contracts.hashing import canonical_json, content_hash
+from closedloop.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointExistsError,
+)
 from closedloop.policy.registry import (
     atomic_write_bytes,
     fsync_dir,
@@ -75,18 +79,6 @@ PAUSE_ENV = "CLOSEDLOOP_TEST_CHECKPOINT_PAUSE_S"
 _MANIFEST = "checkpoint.json"
 _STEP_RE = re.compile(r"^step-(\d{6,})$")
 _log = logging.getLogger(__name__)
-
-
-class CheckpointError(ClosedloopError):
-    """A checkpoint cannot be written or read."""
-
-
-class CheckpointCorruptError(CheckpointError):
-    """A checkpoint directory is incomplete or its content does not match its hashes."""
-
-
-class CheckpointExistsError(CheckpointError):
-    """A valid checkpoint at this step (or a later one) already exists."""
 
 
 @dataclass(frozen=True)

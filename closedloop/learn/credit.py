@@ -28,7 +28,12 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from closedloop.contracts.errors import ClosedloopError, ContractError
+from closedloop.errors import (
+    GroupTooSmallError,
+    LearnError,
+    NonFiniteRewardError,
+    UnknownNameError,
+)
 
 __all__ = [
     "CENSOR_RULES",
@@ -52,29 +57,6 @@ __all__ = [
 
 RewardsLike = torch.Tensor | Sequence[float]
 CensorRule = Literal["discard_group", "drop_censored"]
-
-
-# ----------------------------------------------------------------------------- errors
-class LearnError(ContractError, ValueError):
-    """A value handed to a ``closedloop.learn`` function breaks its contract."""
-
-
-class UnknownNameError(ClosedloopError, ValueError):
-    """A registry lookup by name failed; names the registry, the name and the known names."""
-
-    def __init__(self, registry: str, name: str, known: Iterable[str]) -> None:
-        self.registry = registry
-        self.name = name
-        self.known = tuple(sorted(known))
-        super().__init__(f"unknown {registry} {name!r}; known: {', '.join(self.known)}")
-
-
-class GroupTooSmallError(LearnError):
-    """A group-relative estimator got fewer than two members with a reward."""
-
-
-class NonFiniteRewardError(LearnError):
-    """An uncensored member's reward is missing (None) or not finite."""
 
 
 # ----------------------------------------------------------------------------- helpers

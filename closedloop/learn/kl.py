@@ -31,7 +31,7 @@ from typing import Literal
 
 import torch
 
-from closedloop.learn.credit import LearnError, UnknownNameError
+from closedloop.errors import KLPlacementError, LearnError, UnknownNameError
 
 __all__ = [
     "KL_ESTIMATORS",
@@ -49,10 +49,6 @@ __all__ = [
 KLFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 KLPlacement = Literal["loss", "reward"]
 KLSampling = Literal["behavior", "current"]
-
-
-class KLPlacementError(LearnError):
-    """KL would enter both the reward and the loss, or a placement/spec field is invalid."""
 
 
 def kl_k1(logp_theta: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:

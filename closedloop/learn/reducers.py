@@ -37,7 +37,7 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from closedloop.learn.credit import LearnError, UnknownNameError
+from closedloop.errors import MaskError, UnknownNameError
 
 __all__ = [
     "GROUP_REWARD_SCALES",
@@ -53,10 +53,6 @@ __all__ = [
 
 GroupRewardScale = Literal["none", "std"]
 WeightFn = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
-
-
-class MaskError(LearnError):
-    """A mask, turn-id or loss tensor has the wrong shape or values."""
 
 
 class ReducedLoss(NamedTuple):

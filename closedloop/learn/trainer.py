@@ -36,7 +36,7 @@ from closedloop.contracts.update import (
     StepResult,
 )
 from closedloop.engine import check_precision, matmul_precision, trainer_path_logprobs
-from closedloop.learn.credit import LearnError
+from closedloop.errors import BatchReuseError
 from closedloop.learn.kl import KLSpec
 from closedloop.learn.objectives import ClipRange, get_objective
 from closedloop.learn.reducers import reducer_weights
@@ -64,10 +64,6 @@ class TrainerConfig:
     # Optimizer steps on each fresh batch (update.optimizer_steps_per_fresh_batch). More than one
     # needs an objective with ratios against π_beh (closedloop.learn.objectives.registry).
     optimizer_steps_per_batch: int = 1
-
-
-class BatchReuseError(LearnError):
-    """Several optimizer steps on one batch asked of an objective without ratios."""
 
 
 def kl_spec_of(cfg: TrainerConfig) -> KLSpec | None:

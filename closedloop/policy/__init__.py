@@ -7,27 +7,30 @@ model and imports no ``transformers``/``peft`` (they are imported inside the fun
 them).
 """
 
+from closedloop.errors import (
+    AdapterError,
+    ChatTemplateError,
+    ContextOverflowError,
+    GenerationError,
+    ModelLoadError,
+)
 from closedloop.policy.chat import (
     CHATML_TOOLS,
     ChatMessage,
     ChatMLToolTemplate,
     ChatRenderer,
-    ChatTemplateError,
     SampleTurn,
     TemplateReport,
     check_append_only,
 )
 from closedloop.policy.generator import (
-    ContextOverflowError,
     FinishReason,
     Generation,
-    GenerationError,
     Generator,
     StopMatcher,
     default_stop_token_ids,
 )
 from closedloop.policy.lora import (
-    AdapterError,
     PolicyChecksum,
     attach_lora,
     load_adapter,
@@ -37,7 +40,6 @@ from closedloop.policy.lora import (
 )
 from closedloop.policy.model_loader import (
     LoadedModel,
-    ModelLoadError,
     embedded_gguf_path,
     load_model,
     load_tokenizer,

@@ -36,20 +36,11 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
-from closedloop.contracts import (
-    TOOL_CALL_CLOSE,
-    ContractError,
-    canonical_json,
-    content_hash,
-    sha256_hex,
-)
+from closedloop.contracts import TOOL_CALL_CLOSE, canonical_json, content_hash, sha256_hex
+from closedloop.errors import ChatTemplateError
 from closedloop.policy.generator import default_stop_token_ids
 
 ToolSchema = dict[str, Any]
-
-
-class ChatTemplateError(ContractError):
-    """The tokenizer does not fit the template (a special token is missing or splits)."""
 
 
 class ChatMessage(NamedTuple):

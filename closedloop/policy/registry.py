@@ -45,9 +45,15 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from closedloop.contracts.errors import ClosedloopError
 from closedloop.contracts.hashing import canonical_json
 from closedloop.contracts.manifest import PolicyManifest
+from closedloop.errors import (
+    ChecksumMismatchError,
+    ClosedloopError,
+    MissingAckError,
+    RegistryError,
+    UnknownVersionError,
+)
 from closedloop.policy.weights import combine_checksums, state_dict_checksum
 
 __all__ = [
@@ -72,23 +78,6 @@ WeightsKind = Literal["full", "adapter"]
 _FILES: dict[str, str] = {"full": "weights.safetensors", "adapter": "adapter.safetensors"}
 _VERSION_RE = re.compile(r"^v(\d{4,})$")
 _WORKER_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
-
-
-# ----------------------------------------------------------------------------- errors
-class RegistryError(ClosedloopError):
-    """Base class of registry errors (bad version names, nothing published, ...)."""
-
-
-class UnknownVersionError(RegistryError):
-    """The version is not in the registry (never staged, or staged elsewhere)."""
-
-
-class ChecksumMismatchError(RegistryError):
-    """Stored or loaded weights do not have the checksum the registry recorded."""
-
-
-class MissingAckError(RegistryError):
-    """A worker has not acknowledged loading the version."""
 
 
 # ----------------------------------------------------------------------------- versions

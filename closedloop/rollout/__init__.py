@@ -1,5 +1,13 @@
 """Rollout: version-pinned group collection, training tensors, replay, ledger and admission."""
 
+from closedloop.errors import (
+    DuplicateConsumptionError,
+    DuplicateGroupError,
+    IllegalTransitionError,
+    LedgerError,
+    LedgerInconsistencyError,
+    UnknownGroupError,
+)
 from closedloop.rollout.admission import (
     AdmissionController,
     AdmissionDecision,
@@ -8,17 +16,11 @@ from closedloop.rollout.admission import (
 )
 from closedloop.rollout.collector import CollectedGroup, Collector, CollectorConfig
 from closedloop.rollout.ledger import (
-    DuplicateConsumptionError,
-    DuplicateGroupError,
     ExactlyOnceReport,
     GroupSummary,
-    IllegalTransitionError,
     Ledger,
     LedgerCounts,
-    LedgerError,
-    LedgerInconsistencyError,
     ReconcileReport,
-    UnknownGroupError,
 )
 from closedloop.rollout.replay import ReplayReport, replay_trace
 from closedloop.rollout.source import ActionSample, GeneratorSource, ScriptedSource

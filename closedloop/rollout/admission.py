@@ -46,14 +46,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from closedloop.contracts.errors import (
+from closedloop.contracts.records import GroupLease, TrajectoryRecord
+from closedloop.errors import (
     ClosedloopError,
     ConfigError,
     ContractError,
     MixedPolicyGroupError,
     StalePolicyError,
 )
-from closedloop.contracts.records import GroupLease, TrajectoryRecord
 from closedloop.policy.registry import version_index
 from closedloop.rollout.ledger import Ledger
 

@@ -30,13 +30,10 @@ from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from closedloop.contracts import (
-    ActionParseError,
     AgentEnv,
     Episode,
     GroupLease,
-    InfrastructureError,
     PolicyManifest,
-    SnapshotMismatchError,
     TaskVerifier,
     Termination,
     TraceWriter,
@@ -45,7 +42,13 @@ from closedloop.contracts import (
     parse_action,
 )
 from closedloop.contracts.records import ActionKindOrInvalid
-from closedloop.rollout.source import ActionSample, ActionSource, ContextBudgetExceeded
+from closedloop.errors import (
+    ActionParseError,
+    ContextBudgetExceeded,
+    InfrastructureError,
+    SnapshotMismatchError,
+)
+from closedloop.rollout.source import ActionSample, ActionSource
 
 INFRA_FAILURES: tuple[type[Exception], ...] = (InfrastructureError, TimeoutError)
 """The exceptions the collector records as ``infra_abort``; every other one propagates."""

@@ -53,9 +53,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from closedloop.contracts.errors import ClosedloopError
 from closedloop.contracts.hashing import canonical_json, content_hash
 from closedloop.contracts.records import GroupLease, TrajectoryRecord
+from closedloop.errors import (
+    DuplicateConsumptionError,
+    DuplicateGroupError,
+    IllegalTransitionError,
+    LedgerCorruptError,
+    LedgerError,
+    LedgerInconsistencyError,
+    LedgerSchemaError,
+    UnknownGroupError,
+)
 from closedloop.rollout.ledger_check import (
     LedgerDigest,
     compute_digest,
@@ -87,47 +96,6 @@ __all__ = [
     "LedgerInconsistencyError",
     "LedgerSchemaError", "ReconcileReport", "UnknownGroupError",
 ]
-
-
-# ----------------------------------------------------------------------------- errors
-class LedgerError(ClosedloopError):
-    """Base class of every ledger error."""
-
-
-class LedgerCorruptError(LedgerError):
-    """The ledger file is damaged or was edited: SQLite cannot read it, its integrity check
-    fails, a row disagrees with its events, or committed rows no longer match a checkpoint's
-    digest. The message names the file and what was found."""
-
-
-class LedgerSchemaError(LedgerError):
-    """The database file was written with another ledger schema version."""
-
-
-class UnknownGroupError(LedgerError):
-    """A transition names a group id the ledger never recorded."""
-
-
-class DuplicateGroupError(LedgerError):
-    """``record_collected`` was called twice for one group id (the group ids are immutable)."""
-
-
-class IllegalTransitionError(LedgerError):
-    """A transition is not allowed from the group's current state."""
-
-    def __init__(self, group_id: str, from_state: str, to_state: str) -> None:
-        super().__init__(f"group {group_id!r}: illegal transition {from_state} -> {to_state}")
-        self.group_id = group_id
-        self.from_state = from_state
-        self.to_state = to_state
-
-
-class DuplicateConsumptionError(IllegalTransitionError):
-    """A group that is already ``consumed`` was offered for consumption again."""
-
-
-class LedgerInconsistencyError(LedgerError):
-    """The ledger and a trainer checkpoint disagree in a way the protocol cannot produce."""
 
 
 # ----------------------------------------------------------------------------- records

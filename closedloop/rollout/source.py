@@ -14,18 +14,7 @@ from typing import Any, Protocol
 
 from closedloop.contracts import Action, SamplerConfig
 from closedloop.contracts.records import GenerationFinish
-
-
-class ContextBudgetExceeded(Exception):
-    """Some episodes' contexts cannot take another action within the model's window.
-
-    ``keys`` names them; the collector ends them with ``max_token_truncation`` (censored)
-    rather than let the model see a silently cut context (design.md §7 failure 13).
-    """
-
-    def __init__(self, keys: Sequence[str]) -> None:
-        super().__init__(f"context window exceeded for {list(keys)}")
-        self.keys = list(keys)
+from closedloop.errors import ContextBudgetExceeded, ContextOverflowError
 
 
 @dataclass(frozen=True)
@@ -161,8 +150,6 @@ class GeneratorSource:
 
     def act(self, keys: Sequence[str]) -> list[ActionSample]:
         """Generate one action for every live episode in one batch."""
-        from closedloop.policy.generator import ContextOverflowError
-
         try:
             gens = self._gen.generate_batch([self._sessions[k] for k in keys], self._sampler,
                                             max_new_tokens=self._max_new)

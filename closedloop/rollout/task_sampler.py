@@ -46,25 +46,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from closedloop.contracts import ClosedloopError
+from closedloop.errors import (
+    NoCandidateTasksError,
+    TaskSamplerError,
+    UnknownSamplerTaskError,
+)
 
 Stream = Literal["learnable", "hard", "mastered", "quarantined"]
 STREAMS: tuple[Stream, ...] = ("learnable", "hard", "mastered", "quarantined")
 SAMPLED_STREAMS: tuple[Stream, ...] = ("learnable", "hard", "mastered")
 DEFAULT_STREAM_WEIGHTS: Mapping[str, float] = {"learnable": 0.7, "hard": 0.15, "mastered": 0.15}
 SAMPLER_VERSION = "difficulty-band-v1"
-
-
-class TaskSamplerError(ClosedloopError):
-    """The task sampler was configured or updated inconsistently; the message says how."""
-
-
-class UnknownSamplerTaskError(TaskSamplerError, KeyError):
-    """A task id the sampler does not hold."""
-
-
-class NoCandidateTasksError(TaskSamplerError):
-    """Every task is quarantined (or every non-empty stream has weight 0): nothing to draw."""
 
 
 @dataclass(frozen=True)

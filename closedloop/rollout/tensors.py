@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from closedloop.contracts import ContractError, Episode
+from closedloop.contracts import Episode
+from closedloop.errors import ContractError
 
 
 @dataclass(frozen=True)

@@ -4,13 +4,13 @@ checkpoint it names and reconciles the ledger with it."""
 
 from __future__ import annotations
 
+from closedloop.errors import LedgerInconsistencyError, RunStateError
 from closedloop.learn.checkpoint import capture_rng_states, restore_rng_states, save_checkpoint
 from closedloop.policy.lora import policy_weight_checksum
 from closedloop.policy.registry import version_name
 from closedloop.progress import log
-from closedloop.rollout.ledger import LedgerInconsistencyError
 from closedloop.rollout.task_sampler import DifficultyBandSampler
-from closedloop.run_integrity import RunStateError, prove_state
+from closedloop.run_integrity import prove_state
 from closedloop.training.policy import RunPolicy, adapter_state
 
 

@@ -4,17 +4,13 @@ generator/trainer log-prob audit at the frozen checkpoint."""
 
 from __future__ import annotations
 
-from closedloop.contracts import ClosedloopError, PolicyManifest, content_hash, load_episodes
-from closedloop.envs.plugin import EnvPackageError
+from closedloop.contracts import PolicyManifest, content_hash, load_episodes
+from closedloop.errors import ConsistencyGateError, EnvPackageError
 from closedloop.evaluate.heldout import EvalSummary, summarize_eval
 from closedloop.evaluate.retain import summarize_suites
 from closedloop.learn.audit import AuditResult, audit_logprobs, audit_tolerances
 from closedloop.progress import log
 from closedloop.training.policy import RunPolicy
-
-
-class ConsistencyGateError(ClosedloopError):
-    """Generator and trainer disagree on log-probs at one version beyond the tolerance."""
 
 
 class RunEvaluation(RunPolicy):

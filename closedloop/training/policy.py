@@ -12,10 +12,10 @@ import torch
 
 from closedloop.contracts import PolicyManifest, TraceWriter, sha256_hex
 from closedloop.engine import HFGenerator, precision_label
+from closedloop.errors import RegistryError
 from closedloop.learn.trainer import Trainer, TrainerConfig
 from closedloop.policy import attach_lora
 from closedloop.policy.lora import policy_weight_checksum, split_state_dict
-from closedloop.policy.registry import RegistryError
 from closedloop.progress import Progress
 from closedloop.rollout.collector import CollectedGroup
 from closedloop.rollout.source import ActionSource, GeneratorSource

@@ -15,7 +15,7 @@ import torch
 
 from closedloop.config import RunConfig
 from closedloop.contracts.metrics_log import MetricsLog
-from closedloop.envs.plugin import EnvPackageError
+from closedloop.errors import EnvPackageError
 from closedloop.policy import check_append_only, load_model
 from closedloop.policy.registry import PolicyRegistry
 from closedloop.progress import log

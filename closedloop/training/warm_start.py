@@ -12,12 +12,12 @@ import torch
 
 from closedloop.contracts import Episode, content_hash
 from closedloop.envs.plugin import ScriptedPolicyLike
+from closedloop.errors import RunStateError
 from closedloop.learn.sft import supervised_warm_start
 from closedloop.policy import attach_lora
 from closedloop.policy.registry import version_name
 from closedloop.progress import Progress, log
 from closedloop.rollout.source import ScriptedSource
-from closedloop.run_integrity import RunStateError
 from closedloop.training.policy import RunPolicy, adapter_state
 
 

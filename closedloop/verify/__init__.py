@@ -5,14 +5,10 @@ processes or its own claims. See ``closedloop.verify.verifier`` for the reward v
 ``closedloop.contracts.verification`` for the protocol every verifier satisfies.
 """
 
+from closedloop.errors import FixtureError, UnknownGraderError
 from closedloop.verify.audit import FamilyCounts, VerifierAudit, audit_verifier
-from closedloop.verify.fixtures import (
-    AdjudicatedFixture,
-    FixtureError,
-    build_fixtures,
-    independent_label,
-)
-from closedloop.verify.graders import GradeResult, UnknownGraderError, grade
+from closedloop.verify.fixtures import AdjudicatedFixture, build_fixtures, independent_label
+from closedloop.verify.graders import GradeResult, grade
 from closedloop.verify.verifier import (
     REWARD_KEYS,
     VERIFIER_VERSION,

@@ -30,19 +30,16 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from closedloop.contracts import Action, ClosedloopError
+from closedloop.contracts import Action
 from closedloop.envs.sandbox import run_command
 from closedloop.envs.task import TaskBundle
 from closedloop.envs.tasks.base import base_template, leveled_name
 from closedloop.envs.tasks.registry import FAMILIES, generate_task, get_bundle
 from closedloop.envs.workspace import decode_state
+from closedloop.errors import FixtureError
 from closedloop.verify.verifier import replay_actions
 
 FIXTURES_VERSION = "fixtures-v1"
-
-
-class FixtureError(ClosedloopError):
-    """A fixture cannot be built, or its hand label and the independent checker disagree."""
 
 
 @dataclass(frozen=True)

@@ -36,14 +36,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from closedloop.contracts import ClosedloopError
 from closedloop.envs.sandbox import run_command
+from closedloop.errors import DuplicateKeyError, UnknownGraderError
 
 GRADERS_VERSION = "graders-v1"
-
-
-class UnknownGraderError(ClosedloopError):
-    """``checks["kind"]`` names no grader (a task-definition bug, not an agent failure)."""
 
 
 @dataclass(frozen=True)
@@ -65,15 +61,11 @@ def strict_equal(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-class _DuplicateKeyError(ValueError):
-    pass
-
-
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in pairs:
         if key in out:
-            raise _DuplicateKeyError(f"duplicate key {key!r}")
+            raise DuplicateKeyError(f"duplicate key {key!r}")
         out[key] = value
     return out
 

@@ -26,13 +26,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from closedloop.contracts import Action, ContractError, ScoreResult, TamperDetected, sha256_hex
+from closedloop.contracts import Action, ScoreResult, sha256_hex
 from closedloop.envs.scripted import ExpertPolicy, play
 from closedloop.envs.task import TaskBundle
 from closedloop.envs.tasks.base import is_reserved_path
 from closedloop.envs.tasks.registry import get_bundle
 from closedloop.envs.terminal import TerminalRepairEnv
 from closedloop.envs.workspace import ExportedState, decode_state
+from closedloop.errors import ContractError, TamperDetected
 from closedloop.verify.graders import GRADERS_VERSION, GradeResult, grade
 
 VERIFIER_VERSION = f"verifier-v1+{GRADERS_VERSION}"

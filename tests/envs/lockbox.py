@@ -34,7 +34,6 @@ from closedloop.contracts import (
     content_hash,
     parse_action,
 )
-from closedloop.envs.errors import EpisodeDoneError, EpisodeNotDoneError, SealedSnapshotError
 from closedloop.envs.plugin import (
     EnvPackage,
     EnvPackageError,
@@ -42,6 +41,7 @@ from closedloop.envs.plugin import (
     TaskInfo,
     TaskSetRequest,
 )
+from closedloop.errors import EpisodeDoneError, EpisodeNotDoneError, SealedSnapshotError
 from closedloop.verify.fixtures import AdjudicatedFixture
 
 ENV_ID = "lockbox-v1"

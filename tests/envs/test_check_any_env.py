@@ -14,7 +14,8 @@ from closedloop.contracts import Action, ScoreResult, SnapshotRef
 from closedloop.envs import check_actions
 from closedloop.envs.check import check_env, check_fork_isolation, check_package, find_probe
 from closedloop.envs.check_actions import CheckOptionError, garbage_text, random_actions
-from closedloop.envs.errors import (
+from closedloop.envs.plugin import TaskSetRequest
+from closedloop.errors import (
     EnvCheckError,
     EnvRaisedError,
     EnvVersionMismatchError,
@@ -26,7 +27,6 @@ from closedloop.envs.errors import (
     RestoreMismatchError,
     VerifierCheckError,
 )
-from closedloop.envs.plugin import TaskSetRequest
 from tests.envs.fixtures import JSON_TASK, source
 from tests.envs.lockbox import LockboxEnv, LockboxVerifier, lockbox_package, make_package
 

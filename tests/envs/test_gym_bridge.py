@@ -10,7 +10,6 @@ from gymnasium.utils.env_checker import check_env as gym_check_env
 
 from closedloop.contracts import Action
 from closedloop.envs.check import check_env, check_package
-from closedloop.envs.errors import ReplayMismatchError
 from closedloop.envs.gym_bridge import (
     TOY_TEXT_CODEC,
     AgentGymEnv,
@@ -31,6 +30,7 @@ from closedloop.envs.gym_bridge.frozenlake import (
 from closedloop.envs.keydoor.package import keydoor_package
 from closedloop.envs.sim import SimEnv
 from closedloop.envs.sim.env import SnapshotUnsupportedError
+from closedloop.errors import ReplayMismatchError
 
 
 def _terminal_task_ids(n: int = 2) -> list[str]:

@@ -6,18 +6,18 @@ import json
 import pytest
 
 from closedloop.contracts import Action, SnapshotMismatchError, Termination
-from closedloop.envs.errors import (
+from closedloop.envs.plugin import EnvPackageError, TaskSetRequest
+from closedloop.envs.sim import SimEnv, decode_sim_state
+from closedloop.envs.sim.env import Opening, Outcome, SnapshotUnsupportedError
+from closedloop.envs.sim.package import catalog_task_sets, draw_task_ids
+from closedloop.envs.sim.state import SimState
+from closedloop.errors import (
     EnvNotResetError,
     EpisodeDoneError,
     SealedSnapshotError,
     StateDecodeError,
     TaskError,
 )
-from closedloop.envs.plugin import EnvPackageError, TaskSetRequest
-from closedloop.envs.sim import SimEnv, decode_sim_state
-from closedloop.envs.sim.env import Opening, Outcome, SnapshotUnsupportedError
-from closedloop.envs.sim.package import catalog_task_sets, draw_task_ids
-from closedloop.envs.sim.state import SimState
 
 
 class Counter:

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from closedloop.contracts import Termination
 from closedloop.envs import StateDecodeError, WorkspaceLimits, WorkspacePathError, decode_state
-from closedloop.envs.errors import WorkspaceLimitError
 from closedloop.envs.workspace import FileTree, draw_seed, new_state, normalize_path
+from closedloop.errors import WorkspaceLimitError
 
 LIMITS = WorkspaceLimits(max_file_bytes=100, max_total_bytes=250, max_files=4)
 

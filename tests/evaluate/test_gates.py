@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from closedloop.cli import main
-from closedloop.envs.errors import SealedSnapshotError
 from closedloop.envs.tasks.registry import get_spec
 from closedloop.envs.terminal import TerminalRepairEnv
 from closedloop.envs.terminal_package import terminal_package
+from closedloop.errors import SealedSnapshotError
 from closedloop.evaluate import gates as gates_pkg
 from closedloop.evaluate.gates import (
     GATE_NAMES,

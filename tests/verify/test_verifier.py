@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 
 from closedloop.contracts import Action, TamperDetected
-from closedloop.envs.errors import StateDecodeError
 from closedloop.envs.tasks import default_task_sets, generate_task, get_bundle, list_tasks
 from closedloop.envs.tasks.base import base_template
 from closedloop.envs.workspace import decode_state
+from closedloop.errors import StateDecodeError
 from closedloop.verify import REWARD_KEYS, Verifier, replay_actions
 
 

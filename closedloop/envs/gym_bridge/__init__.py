@@ -4,13 +4,8 @@ FrozenLake as the shipped example package ``frozenlake-v1``.
 """
 
 from closedloop.envs.gym_bridge.as_gym import CHARSET, AgentGymEnv, fit_text, register
-from closedloop.envs.gym_bridge.from_gym import (
-    TOY_TEXT_CODEC,
-    GymAdapterError,
-    GymRules,
-    GymTask,
-    StateCodec,
-)
+from closedloop.envs.gym_bridge.from_gym import TOY_TEXT_CODEC, GymRules, GymTask, StateCodec
+from closedloop.errors import GymAdapterError
 
 __all__ = ["CHARSET", "TOY_TEXT_CODEC", "AgentGymEnv", "GymAdapterError", "GymRules", "GymTask",
            "StateCodec", "fit_text", "register"]

@@ -35,7 +35,7 @@ import gymnasium
 from gymnasium import spaces
 
 from closedloop.contracts import AgentEnv, Termination
-from closedloop.envs.errors import EnvError
+from closedloop.errors import EnvError
 
 CHARSET = frozenset(string.printable) - frozenset("\x0b\x0c\r") | {"\ufffd"}
 MAX_OBSERVATION_CHARS = 16384

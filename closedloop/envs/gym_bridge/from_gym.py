@@ -30,12 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from closedloop.contracts import Action, Termination
-from closedloop.envs.errors import EnvError, TaskError
 from closedloop.envs.sim.env import Opening, Outcome, error_outcome
-
-
-class GymAdapterError(EnvError):
-    """A Gymnasium env cannot be wrapped (no ``Discrete`` action space, names do not match)."""
+from closedloop.errors import GymAdapterError, TaskError
 
 
 @dataclass(frozen=True)

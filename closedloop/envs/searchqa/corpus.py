@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from closedloop.contracts import sha256_hex
-from closedloop.envs.errors import TaskError
+from closedloop.errors import TaskError
 
 _DATA = "closedloop.envs.searchqa"
 

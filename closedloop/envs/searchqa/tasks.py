@@ -22,10 +22,10 @@ import random
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from closedloop.envs.errors import TaskError
 from closedloop.envs.searchqa.corpus import corpus_hash, passages, world
 from closedloop.envs.sim.catalog import SimFamily, TaskCatalog, TaskDraft
 from closedloop.envs.task import Split
+from closedloop.errors import TaskError
 
 FAMILY_ID = "searchqa-v1"
 BUDGET = 6

@@ -11,13 +11,13 @@ not what the retriever returns for its query (the verifier re-runs every logged 
 
 from __future__ import annotations
 
-from closedloop.envs.errors import StateDecodeError
 from closedloop.envs.searchqa.matching import is_correct
 from closedloop.envs.searchqa.rules import ENV_VERSION, search_results
 from closedloop.envs.searchqa.tasks import CATALOG
 from closedloop.envs.sim.catalog import SimTask, TaskCatalog
 from closedloop.envs.sim.scoring import Grade, SimVerifier, world_field
 from closedloop.envs.sim.state import SimState
+from closedloop.errors import StateDecodeError
 
 VERIFIER_VERSION = "searchqa-verifier-v1"
 

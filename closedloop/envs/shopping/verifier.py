@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from closedloop.envs.errors import StateDecodeError
 from closedloop.envs.shopping.rules import ENV_VERSION, price_of, world_catalog
 from closedloop.envs.shopping.tasks import CATALOG, satisfies
 from closedloop.envs.sim.catalog import SimTask, TaskCatalog
 from closedloop.envs.sim.scoring import Grade, SimVerifier, world_field
 from closedloop.envs.sim.state import SimState
+from closedloop.errors import StateDecodeError
 
 VERIFIER_VERSION = "shopping-verifier-v1"
 N_CONSTRAINTS = 5

@@ -29,22 +29,23 @@ from typing import Any, Protocol
 
 from closedloop.contracts import (
     Action,
-    ActionParseError,
-    ContractError,
-    SnapshotMismatchError,
     SnapshotRef,
     Termination,
     Transition,
     canonical_json,
     parse_action,
 )
-from closedloop.envs.errors import EnvError, EnvNotResetError, EpisodeDoneError, TaskError
 from closedloop.envs.sim.state import MAX_LOG, SimCounters, SimState, decode_sim_state
 from closedloop.envs.snapshots import SnapshotBook
-
-
-class SnapshotUnsupportedError(EnvError, NotImplementedError):
-    """The environment cannot capture its state; the message says why (no snapshots, forks)."""
+from closedloop.errors import (
+    ActionParseError,
+    ContractError,
+    EnvNotResetError,
+    EpisodeDoneError,
+    SnapshotMismatchError,
+    SnapshotUnsupportedError,
+    TaskError,
+)
 
 
 @dataclass(frozen=True)

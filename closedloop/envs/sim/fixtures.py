@@ -13,9 +13,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from closedloop.contracts import Action, AgentEnv, canonical_json
-from closedloop.envs.errors import EnvError
 from closedloop.envs.sim.catalog import SimTask
 from closedloop.envs.sim.state import decode_sim_state
+from closedloop.errors import EnvError
 from closedloop.verify.fixtures import AdjudicatedFixture
 
 

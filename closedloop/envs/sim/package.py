@@ -24,7 +24,6 @@ from typing import Any
 from closedloop.envs.plugin import (
     ActionSampler,
     EnvPackage,
-    EnvPackageError,
     EnvTaskSets,
     ForkProbe,
     ScriptedFactory,
@@ -34,6 +33,7 @@ from closedloop.envs.plugin import (
 from closedloop.envs.sim.catalog import TaskCatalog
 from closedloop.envs.sim.env import Rules, SimEnv
 from closedloop.envs.task import Split
+from closedloop.errors import EnvPackageError
 
 
 def draw_task_ids(catalog: TaskCatalog, split: Split, n: int, seed: int) -> tuple[str, ...]:

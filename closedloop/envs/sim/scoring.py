@@ -15,10 +15,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from closedloop.contracts import ClosedloopError, ScoreResult
-from closedloop.envs.errors import StateDecodeError
+from closedloop.contracts import ScoreResult
 from closedloop.envs.sim.catalog import SimTask, TaskCatalog
 from closedloop.envs.sim.state import SimState, decode_sim_state
+from closedloop.errors import ClosedloopError, StateDecodeError
 
 
 @dataclass(frozen=True)

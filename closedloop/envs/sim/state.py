@@ -21,7 +21,7 @@ from functools import cached_property
 from typing import Any
 
 from closedloop.contracts import Termination, canonical_json, content_hash, sha256_hex
-from closedloop.envs.errors import StateDecodeError
+from closedloop.errors import StateDecodeError
 
 SIM_STATE_FORMAT = "closedloop-sim-state-v1"
 MAX_LOG = 256

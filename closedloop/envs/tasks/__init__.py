@@ -11,9 +11,7 @@ from closedloop.envs.tasks.base import (
     HINT_LEVELS,
     TaskDraft,
     TaskFamily,
-    TaskGenerationError,
     TemplateFamily,
-    UnknownTaskError,
     build_bundle,
     is_reserved_path,
     template_level,
@@ -38,6 +36,7 @@ from closedloop.envs.tasks.split import (
     build_task_sets,
     default_task_sets,
 )
+from closedloop.errors import TaskGenerationError, UnknownTaskError
 
 __all__ = [
     "FAMILIES", "FAMILY_IDS", "HELDOUT_FAMILIES", "HINT_LEVELS", "DiscardedTask", "OverlapPair",

@@ -39,8 +39,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from closedloop.contracts import Action, ClosedloopError, content_hash, sha256_hex
+from closedloop.contracts import Action, content_hash, sha256_hex
 from closedloop.envs.task import HiddenGrader, Split, TaskBundle, TaskSpec
+from closedloop.errors import TaskGenerationError, UnknownTaskError
 
 MAX_FILE_CHARS = 2048
 MAX_GOLD_ACTIONS = 6
@@ -54,14 +55,6 @@ RESERVED_PREFIXES: tuple[str, ...] = (".grader", ".verifier", ".closedloop", "gr
 HINT_LEVELS: tuple[str, ...] = ("exact", "located", "symptom")
 """Hint levels, most to least informative; ``symptom`` is the draft's own ``objective``."""
 LEVEL_SEP = "."
-
-
-class TaskGenerationError(ClosedloopError):
-    """A template produced a draft that breaks the task contract; the message says which rule."""
-
-
-class UnknownTaskError(ClosedloopError):
-    """A task id, family or template is not known to the registry."""
 
 
 @dataclass(frozen=True)

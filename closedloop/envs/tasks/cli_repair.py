@@ -28,7 +28,8 @@ import random
 from collections.abc import Callable
 
 from closedloop.contracts import Action
-from closedloop.envs.tasks.base import TaskDraft, TaskGenerationError, TemplateFamily, shown
+from closedloop.envs.tasks.base import TaskDraft, TemplateFamily, shown
+from closedloop.errors import TaskGenerationError
 
 FAMILY_ID = "cli-repair-v1"
 _VARS = ("xs", "values", "nums", "items", "data")

@@ -28,7 +28,8 @@ from closedloop.envs.tasks import (
     retain,
     schema_repair,
 )
-from closedloop.envs.tasks.base import TaskFamily, UnknownTaskError, build_bundle
+from closedloop.envs.tasks.base import TaskFamily, build_bundle
+from closedloop.errors import UnknownTaskError
 
 FAMILIES: Mapping[str, TaskFamily] = MappingProxyType({
     f.family_id: f for f in (file_repair.FAMILY, json_repair.FAMILY, schema_repair.FAMILY,

@@ -37,12 +37,12 @@ from closedloop.envs.task import TaskBundle
 from closedloop.envs.tasks.base import (
     TaskDraft,
     TemplateFamily,
-    UnknownTaskError,
     assemble_bundle,
     check_draft,
     task_rng,
 )
 from closedloop.envs.workspace import ExportedState
+from closedloop.errors import UnknownTaskError
 
 TOOL_USE_ID = "retain-tool-use-v1"
 INSTRUCTIONS_ID = "retain-instructions-v1"

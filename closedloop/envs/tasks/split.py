@@ -35,12 +35,12 @@ from closedloop.envs.task import Split, TaskBundle
 from closedloop.envs.tasks.base import (
     HINT_LEVELS,
     TaskFamily,
-    UnknownTaskError,
     build_bundle,
     leveled_name,
     template_parts,
 )
 from closedloop.envs.tasks.registry import FAMILIES, HELDOUT_FAMILIES
+from closedloop.errors import UnknownTaskError
 
 SolvabilityFilter = Callable[[TaskBundle], str | None]
 """Return ``None`` if the task is solvable and well-posed, else the reason to discard it."""

@@ -28,6 +28,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from closedloop.errors import RunDirError
 from closedloop.evaluate.gates import environment as _env
 from closedloop.evaluate.gates import ledger as _ledger
 from closedloop.evaluate.gates import live as _live
@@ -35,7 +36,7 @@ from closedloop.evaluate.gates import signal as _signal
 from closedloop.evaluate.gates import traces as _traces
 from closedloop.evaluate.gates.base import Gate, GateFn, GateOptions, GateReport
 from closedloop.evaluate.gates.environment import FN_UPPER_BOUND, FP_UPPER_BOUND
-from closedloop.evaluate.rundir import RunDirError, find_arms, load_run
+from closedloop.evaluate.rundir import find_arms, load_run
 
 __all__ = ["FN_UPPER_BOUND", "FP_UPPER_BOUND", "GATES", "GATE_NAMES", "Gate", "GateOptions",
            "GateReport", "evaluate_gates", "format_table", "main_run_of"]

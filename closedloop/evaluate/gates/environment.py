@@ -25,8 +25,8 @@ from typing import Any
 
 from closedloop.contracts import Action, Episode, SealingEnv
 from closedloop.envs.check import check_env, check_reset, replay_property
-from closedloop.envs.errors import EpisodeDoneError, SealedSnapshotError
 from closedloop.envs.plugin import EnvPackage, resolve_section
+from closedloop.errors import EpisodeDoneError, SealedSnapshotError
 from closedloop.evaluate.gates.base import MAX_LISTED, Gate, GateOptions, make_gate
 from closedloop.evaluate.rundir import RunDir
 from closedloop.rollout.replay import replay_episode

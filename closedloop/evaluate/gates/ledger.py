@@ -9,11 +9,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from closedloop.contracts import TrajectoryRecord
+from closedloop.errors import CheckpointCorruptError, RegistryError
 from closedloop.evaluate.gates.base import MAX_LISTED, Gate, GateOptions, make_gate
 from closedloop.evaluate.rundir import RunDir
-from closedloop.learn.checkpoint import Checkpoint, CheckpointCorruptError, list_checkpoints
+from closedloop.learn.checkpoint import Checkpoint, list_checkpoints
 from closedloop.learn.checkpoint import load_checkpoint as _load_checkpoint
-from closedloop.policy.registry import RegistryError, version_index
+from closedloop.policy.registry import version_index
 from closedloop.rollout.admission import AdmissionStats
 from closedloop.rollout.ledger import GroupRow
 

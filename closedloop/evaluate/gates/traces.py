@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from closedloop.contracts import PolicyManifest, Termination, content_hash
+from closedloop.errors import RegistryError
 from closedloop.evaluate.gates.base import MAX_LISTED, Gate, GateOptions, make_gate
 from closedloop.evaluate.rundir import RunDir, TraceFile
-from closedloop.policy.registry import RegistryError
 
 
 def _model_traces(run: RunDir) -> list[TraceFile]:

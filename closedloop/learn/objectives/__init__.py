@@ -15,14 +15,9 @@ gradient mass).
   ratios (and so may reuse a batch for several optimizer steps).
 """
 
+from closedloop.errors import NonFiniteLogprobError, UnknownObjectiveError
 from closedloop.learn.objectives.diagnostics import token_entropy
-from closedloop.learn.objectives.inputs import NonFiniteLogprobError
-from closedloop.learn.objectives.registry import (
-    OBJECTIVES,
-    BoundObjective,
-    UnknownObjectiveError,
-    get_objective,
-)
+from closedloop.learn.objectives.registry import OBJECTIVES, BoundObjective, get_objective
 from closedloop.learn.objectives.surrogates import (
     ClipRange,
     Granularity,

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 from closedloop.contracts.update import ObjectiveInputs, ObjectiveOutput
-from closedloop.learn.credit import LearnError
+from closedloop.errors import LearnError
 from closedloop.learn.kl import KLSpec, get_kl_estimator, validate_kl_placement
 from closedloop.learn.objectives.inputs import PreparedBatch
 from closedloop.learn.reducers import turn_slot_ids

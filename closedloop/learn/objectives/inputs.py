@@ -10,14 +10,10 @@ from dataclasses import dataclass
 import torch
 
 from closedloop.contracts.update import ObjectiveInputs
-from closedloop.learn.credit import LearnError
-from closedloop.learn.reducers import MaskError, reducer_weights, turn_slot_ids
+from closedloop.errors import LearnError, MaskError, NonFiniteLogprobError
+from closedloop.learn.reducers import reducer_weights, turn_slot_ids
 
 __all__ = ["NonFiniteLogprobError", "PreparedBatch", "prepare"]
-
-
-class NonFiniteLogprobError(LearnError):
-    """A log-prob or advantage on an action token is missing or not finite."""
 
 
 @dataclass(frozen=True)

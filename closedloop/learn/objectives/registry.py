@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from closedloop.contracts.update import Objective, ObjectiveInputs, ObjectiveOutput
-from closedloop.learn.credit import LearnError
+from closedloop.errors import UnknownObjectiveError
 from closedloop.learn.objectives.surrogates import (
     ClipRange,
     normalized_ratio_clip,
@@ -25,10 +25,6 @@ from closedloop.learn.objectives.surrogates import (
 )
 
 __all__ = ["OBJECTIVES", "BoundObjective", "UnknownObjectiveError", "get_objective"]
-
-
-class UnknownObjectiveError(LearnError):
-    """An objective name that is not registered."""
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,10 @@ from typing import Literal
 import torch
 
 from closedloop.contracts.update import ObjectiveInputs, ObjectiveOutput
-from closedloop.learn.credit import LearnError
+from closedloop.errors import LearnError, MaskError
 from closedloop.learn.objectives.diagnostics import finish
 from closedloop.learn.objectives.inputs import PreparedBatch, prepare
-from closedloop.learn.reducers import MaskError, turn_slot_ids
+from closedloop.learn.reducers import turn_slot_ids
 
 __all__ = ["ClipRange", "Granularity", "normalized_ratio_clip", "ppo_clip", "reinforce_with_kl"]
 

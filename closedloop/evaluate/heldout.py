@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from closedloop.contracts import Episode
+from closedloop.errors import EmptySampleError, MixedPolicyGroupError
 from closedloop.evaluate.stats import bootstrap_mean_ci, pass_at_k, pass_hat_k
 
 
@@ -66,11 +67,11 @@ def _mean(values: Sequence[float]) -> float | None:
 def summarize_eval(episodes: Sequence[Episode], k: int = 3, seed: int = 0) -> EvalSummary:
     """Reduce evaluation episodes (one policy) to held-out metrics."""
     if not episodes:
-        raise ValueError("no evaluation episodes")
+        raise EmptySampleError("no evaluation episodes")
     versions = {ep.trajectory.behavior_policy_version for ep in episodes}
     manifests = {ep.trajectory.policy_manifest_hash for ep in episodes}
     if len(versions) != 1 or len(manifests) != 1:
-        raise ValueError(f"evaluation mixes policies: {sorted(versions)}")
+        raise MixedPolicyGroupError(f"evaluation mixes policies: {sorted(versions)}")
     by_task: dict[str, list[Episode]] = {}
     for ep in episodes:
         by_task.setdefault(ep.trajectory.task_id, []).append(ep)

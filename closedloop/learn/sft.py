@@ -18,6 +18,7 @@ import torch
 
 from closedloop.contracts import Episode
 from closedloop.engine import sequence_logprobs
+from closedloop.errors import LearnError
 from closedloop.rollout.tensors import build_training_batch, shift_targets
 
 
@@ -81,7 +82,7 @@ def supervised_warm_start(
     both stay fp32 so the consistency audit can hold them to 1e-3.
     """
     if not episodes:
-        raise ValueError("no demonstrations to train on")
+        raise LearnError("no demonstrations to train on")
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=learning_rate)
     rng = random.Random(seed)

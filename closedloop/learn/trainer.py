@@ -36,7 +36,7 @@ from closedloop.contracts.update import (
     StepResult,
 )
 from closedloop.engine import check_precision, matmul_precision, trainer_path_logprobs
-from closedloop.errors import BatchReuseError
+from closedloop.errors import BatchReuseError, LearnError
 from closedloop.learn.kl import KLSpec
 from closedloop.learn.objectives import ClipRange, get_objective
 from closedloop.learn.reducers import reducer_weights
@@ -96,11 +96,11 @@ class Trainer:
                                   "optimizer step its gradient is no longer the batch's; take "
                                   "one step per fresh batch or use a clipped-ratio objective")
         if not config.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {config.temperature}")
+            raise LearnError(f"temperature must be > 0, got {config.temperature}")
         self.reference = reference
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
-            raise ValueError("the model has no trainable parameters")
+            raise LearnError("the model has no trainable parameters")
         self.optimizer = torch.optim.AdamW(params, lr=config.learning_rate,
                                            weight_decay=config.weight_decay)
         self.step_count = 0

@@ -4,7 +4,12 @@ checkpoint it names and reconciles the ledger with it."""
 
 from __future__ import annotations
 
-from closedloop.errors import LedgerInconsistencyError, RunStateError
+from closedloop.errors import (
+    CheckpointError,
+    LedgerInconsistencyError,
+    RunNotReadyError,
+    RunStateError,
+)
 from closedloop.learn.checkpoint import capture_rng_states, restore_rng_states, save_checkpoint
 from closedloop.policy.lora import policy_weight_checksum
 from closedloop.policy.registry import version_name
@@ -19,7 +24,7 @@ class RunCheckpoints(RunPolicy):
 
     def _checkpoint(self, step: int, version: str) -> None:
         if self.trainer is None:
-            raise RuntimeError("no trainer")
+            raise RunNotReadyError("no trainer")
         adapter = adapter_state(self.model)
         save_checkpoint(self.dir / "checkpoints", step, adapter,
                         self.trainer.optimizer.state_dict(), version, sorted(self.consumed),
@@ -33,14 +38,14 @@ class RunCheckpoints(RunPolicy):
         run) write the step-0 one (the fresh adapter, optimizer and RNG states) and return
         False."""
         if self.trainer is None:
-            raise RuntimeError("attach_rl_adapter() first")
+            raise RunNotReadyError("attach_rl_adapter() first")
         ckpt, _ = prove_state(self.dir, self.ledger, self.registry.versions(), self.metrics)
         if ckpt is None:
             self._checkpoint(0, version_name(0))
             return False
         missing = self.model.load_state_dict(ckpt.model_state, strict=False)
         if missing.unexpected_keys:
-            raise RuntimeError(f"checkpoint holds unknown tensors: {missing.unexpected_keys}")
+            raise CheckpointError(f"checkpoint holds unknown tensors: {missing.unexpected_keys}")
         self.trainer.optimizer.load_state_dict(ckpt.optimizer_state)
         restore_rng_states(ckpt.rng_states, {"generator": self.generator.rng}
                            if "generator" in ckpt.rng_states.get("generators", {}) else None)

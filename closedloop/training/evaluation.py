@@ -5,7 +5,7 @@ generator/trainer log-prob audit at the frozen checkpoint."""
 from __future__ import annotations
 
 from closedloop.contracts import PolicyManifest, content_hash, load_episodes
-from closedloop.errors import ConsistencyGateError, EnvPackageError
+from closedloop.errors import ConsistencyGateError, EnvPackageError, UnknownNameError
 from closedloop.evaluate.heldout import EvalSummary, summarize_eval
 from closedloop.evaluate.retain import summarize_suites
 from closedloop.learn.audit import AuditResult, audit_logprobs, audit_tolerances
@@ -23,7 +23,7 @@ class RunEvaluation(RunPolicy):
         tasks = {"heldout": self.heldout_tasks, "train": self.train_tasks,
                  "family": self.family_tasks}
         if suite not in tasks:
-            raise ValueError(f"unknown evaluation suite {suite!r}; known: {sorted(tasks)}")
+            raise UnknownNameError("evaluation suite", suite, tasks)
         return list(tasks[suite])
 
     def evaluate(self, label: str, manifest: PolicyManifest,

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from closedloop.contracts import Episode, PolicyManifest, content_hash, load_episodes
+from closedloop.errors import RunNotReadyError
 from closedloop.learn.credit import group_advantages, summarize_credit
 from closedloop.policy.registry import version_index, version_name
 from closedloop.progress import log
@@ -71,7 +72,7 @@ class RunRLStep(RunCheckpoints):
     def rl_step(self, step: int) -> StepReport:
         """collect → verify → admit → credit → loss → one optimizer step → publish."""
         if self.trainer is None:
-            raise RuntimeError("attach_rl_adapter() first")
+            raise RunNotReadyError("attach_rl_adapter() first")
         times: dict[str, float] = {}
         t0 = time.perf_counter()
         behavior = version_name(step)

@@ -28,7 +28,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from closedloop.errors import RunDirError
+from closedloop.errors import RunDirError, UnknownGateError
 from closedloop.evaluate.gates import environment as _env
 from closedloop.evaluate.gates import ledger as _ledger
 from closedloop.evaluate.gates import live as _live
@@ -87,13 +87,14 @@ def evaluate_gates(run_dir: str | Path, options: GateOptions | None = None,
                    only: Sequence[str] | None = None) -> GateReport:
     """Evaluate every gate (or the named ones, in the seed's order) on a run directory.
 
-    Raises ``RunDirError`` when ``run_dir`` is not a run directory and ``KeyError`` for an
-    unknown gate name. A gate that raises fails with the error as its evidence.
+    Raises ``RunDirError`` when ``run_dir`` is not a run directory and ``UnknownGateError``
+    (a ``KeyError``) for an unknown gate name. A gate that raises fails with the error as its
+    evidence.
     """
     opts = options or GateOptions()
     unknown = sorted(set(only or ()) - set(GATE_NAMES))
     if unknown:
-        raise KeyError(f"unknown gates {unknown}; known: {list(GATE_NAMES)}")
+        raise UnknownGateError(f"unknown gates {unknown}; known: {list(GATE_NAMES)}")
     run = load_run(main_run_of(run_dir))
     gates = []
     for name, fn in GATES:

@@ -26,7 +26,6 @@ from _common import emit, machine_label, set_threads
 
 from closedloop.contracts import SamplerConfig, TraceWriter
 from closedloop.engine import HFGenerator
-from closedloop.envs.tasks.split import build_task_sets
 from closedloop.policy import ChatRenderer, build_tiny_model, load_model
 from closedloop.rollout.source import GeneratorSource
 from closedloop.runtime import (
@@ -36,6 +35,7 @@ from closedloop.runtime import (
     build_manifest,
     make_collector,
 )
+from closedloop.verify.task_sets import build_task_sets
 from closedloop.verify.verifier import Verifier
 
 KEYS = ("decode_s", "env_s", "render_s", "bookkeeping_s", "reset_s", "verify_s")

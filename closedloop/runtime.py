@@ -21,10 +21,15 @@ from closedloop.contracts import (
     TraceWriter,
 )
 from closedloop.envs.plugin import EnvPackage, TaskSetRequest, resolve_section
-from closedloop.envs.terminal_package import AGENT_TOOLS, SYSTEM_PROMPT, make_env, terminal_package
 from closedloop.errors import ConfigError
 from closedloop.rollout.collector import Collector, CollectorConfig
 from closedloop.rollout.source import ActionSource
+from closedloop.verify.terminal_package import (
+    AGENT_TOOLS,
+    SYSTEM_PROMPT,
+    make_env,
+    terminal_package,
+)
 
 MEMORY_POLICY = "exact-history-v1"
 __all__ = ["AGENT_TOOLS", "MEMORY_POLICY", "SYSTEM_PROMPT", "CollectorParts", "build_manifest",

@@ -18,11 +18,11 @@ from transformers import AutoModelForCausalLM
 
 from closedloop.config import parse_config
 from closedloop.contracts import load_episodes
-from closedloop.envs.tasks.split import build_task_sets
 from closedloop.learn.audit import audit_logprobs
 from closedloop.loop import train
 from closedloop.policy.registry import PolicyRegistry, version_name
 from closedloop.rollout.tensors import build_training_batch
+from closedloop.verify.task_sets import build_task_sets
 from tests.tiny_agent import build_tiny_agent
 
 pytestmark = pytest.mark.slow

@@ -30,7 +30,6 @@ import torch
 from closedloop.contracts import Action, Episode, SamplerConfig, sha256_hex
 from closedloop.engine import HFGenerator
 from closedloop.envs.plugin import EnvPackage, ScriptedPolicyLike
-from closedloop.envs.terminal_package import terminal_package
 from closedloop.learn.sft import sft_backward
 from closedloop.policy import (
     ChatRenderer,
@@ -40,6 +39,7 @@ from closedloop.policy import (
 )
 from closedloop.rollout.source import ActionSource, GeneratorSource, ScriptedSource
 from closedloop.runtime import CollectorParts, build_manifest, make_collector, make_renderer
+from closedloop.verify.terminal_package import terminal_package
 
 __all__ = ["GiveUpPolicy", "TinyAgent", "build_tiny_agent", "demonstrations",
            "sample_outcomes", "teach"]

@@ -20,7 +20,7 @@ from an environment; nothing outside the package knows its tasks, tools or verif
 - optionally ``scripted`` policies by kind (``expert``, ``noisy``, ``random``): factories
   ``(task_id, seed, noise_rate) -> policy`` with ``act(observation) -> Action | str``, used for
   warm starts and ``closedloop play``; ``fixtures(task_ids | None)``: adjudicated exported
-  states (``closedloop.verify.fixtures.AdjudicatedFixture``) for the verifier FP/FN gate;
+  states (``closedloop.contracts.fixture.AdjudicatedFixture``) for the verifier FP/FN gate;
   ``retain_tasks(suites)``: retain-suite task ids; ``config_keys``: the package's own keys of
   the config's ``environment`` section (the terminal tasks' hint levels), passed to
   ``task_sets`` in ``TaskSetRequest.options``.
@@ -47,18 +47,16 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import metadata
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from closedloop.contracts import Action, AgentEnv, GuardedVerifier, TaskVerifier, guarded
+from closedloop.contracts.fixture import AdjudicatedFixture
 from closedloop.errors import EnvPackageError, UnknownEnvironmentError
-
-if TYPE_CHECKING:  # verify sits above envs: the types only
-    from closedloop.verify.fixtures import AdjudicatedFixture
 
 ENTRY_POINT_GROUP = "closedloop.environments"
 DEFAULT_ENV_ID = "terminal-repair-v1"
 BUILTIN: Mapping[str, str] = {
-    "terminal-repair-v1": "closedloop.envs.terminal_package:terminal_package",
+    "terminal-repair-v1": "closedloop.verify.terminal_package:terminal_package",
     "keydoor-v1": "closedloop.envs.keydoor.package:keydoor_package",
     "shopping-v1": "closedloop.envs.shopping.package:shopping_package",
     "searchqa-v1": "closedloop.envs.searchqa.package:searchqa_package",

@@ -51,6 +51,7 @@ from closedloop.errors import (
     TaskSamplerError,
     UnknownSamplerTaskError,
 )
+from closedloop.intervals import wilson_interval
 
 Stream = Literal["learnable", "hard", "mastered", "quarantined"]
 STREAMS: tuple[Stream, ...] = ("learnable", "hard", "mastered", "quarantined")
@@ -144,10 +145,8 @@ class InformativeStats:
 
 
 def wilson_bounds(successes: int, n: int, z: float) -> tuple[float, float]:
-    """Wilson score interval (``closedloop.evaluate.stats.wilson_interval``, a stdlib leaf);
+    """Wilson score interval (``closedloop.intervals.wilson_interval``);
     (0, 1) when n = 0 (no evidence yet)."""
-    from closedloop.evaluate.stats import wilson_interval
-
     if n == 0:
         return 0.0, 1.0
     return wilson_interval(successes, n, z)

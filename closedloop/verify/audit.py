@@ -9,7 +9,7 @@ counted on its own:
 - FN: label correct, verifier rejects (wasted experience, a more conservative policy).
 
 Rates are FP / negatives and FN / positives with Wilson 95% intervals
-(``closedloop.evaluate.stats.wilson_interval``); a rate with no denominator is ``None``, never 0.
+(``closedloop.intervals.wilson_interval``); a rate with no denominator is ``None``, never 0.
 Tamper fixtures (``expect_quarantine``) are left out of FP/FN: they must be quarantined, and
 ``tamper_missed`` counts those that were not (``n_tamper`` is its denominator);
 ``false_quarantine`` counts the other fixtures that were quarantined.
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from closedloop.contracts import TaskVerifier
+from closedloop.intervals import wilson_interval
 from closedloop.verify.fixtures import AdjudicatedFixture
 from closedloop.verify.verifier import Verifier
 
@@ -78,8 +79,6 @@ class VerifierAudit:
 
 
 def _rate(k: int, n: int) -> tuple[float | None, tuple[float, float] | None]:
-    from closedloop.evaluate.stats import wilson_interval  # evaluate sits above verify
-
     if n == 0:
         return None, None
     return k / n, wilson_interval(k, n)

@@ -26,11 +26,11 @@ import json
 import random
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
 from closedloop.contracts import Action
+from closedloop.contracts.fixture import AdjudicatedFixture
 from closedloop.envs.sandbox import run_command
 from closedloop.envs.task import TaskBundle
 from closedloop.envs.tasks.base import base_template, leveled_name
@@ -40,24 +40,6 @@ from closedloop.errors import FixtureError
 from closedloop.verify.verifier import replay_actions
 
 FIXTURES_VERSION = "fixtures-v1"
-
-
-@dataclass(frozen=True)
-class AdjudicatedFixture:
-    """A final state and its adjudicated label.
-
-    label: the artifact is a correct solution (hand label, confirmed by the independent checker).
-    expect_quarantine: the state holds tampering; the verifier must quarantine it.
-    """
-
-    fixture_id: str
-    task_id: str
-    family: str
-    kind: str
-    final_state: bytes
-    label: bool
-    expect_quarantine: bool
-    rationale: str
 
 
 Variant = tuple[str, list[Action], bool, str]  # kind, actions, hand label, rationale

@@ -8,8 +8,9 @@ import random
 from collections import Counter
 
 from closedloop.envs import random_actions, replay_property
-from closedloop.envs.tasks.registry import FAMILY_IDS, get_spec, list_tasks
+from closedloop.envs.tasks.registry import FAMILY_IDS, get_spec
 from closedloop.runtime import make_env
+from closedloop.verify.task_sets import list_tasks
 from closedloop.verify.verifier import Verifier
 
 N_SEQUENCES = 200

@@ -28,8 +28,8 @@ from closedloop.envs.plugin import (
     resolve_package,
     resolve_section,
 )
-from closedloop.envs.terminal_package import terminal_package
 from closedloop.runtime import run_package, task_set_request
+from closedloop.verify.terminal_package import terminal_package
 from tests.envs.lockbox import ENV_ID, ENV_VERSION, LockboxVerifier, lockbox_package
 
 FACTORY = "tests.envs.lockbox:lockbox_package"

@@ -20,7 +20,6 @@ import torch
 from closedloop.cli import main
 from closedloop.envs.tasks.registry import get_spec
 from closedloop.envs.terminal import TerminalRepairEnv
-from closedloop.envs.terminal_package import terminal_package
 from closedloop.errors import SealedSnapshotError
 from closedloop.evaluate import gates as gates_pkg
 from closedloop.evaluate.gates import (
@@ -37,6 +36,7 @@ from closedloop.policy.registry import PolicyRegistry
 from closedloop.rollout.ledger import DuplicateConsumptionError, Ledger
 from closedloop.verify import graders
 from closedloop.verify.fixtures import default_fixture_task_ids
+from closedloop.verify.terminal_package import terminal_package
 from tests.evaluate.synthetic_run import (
     Spec,
     audit_record,

@@ -7,7 +7,6 @@ from typing import Any
 
 from closedloop.contracts import Episode, SamplerConfig, sha256_hex
 from closedloop.engine import HFGenerator
-from closedloop.envs.tasks.registry import list_tasks
 from closedloop.policy import ChatRenderer
 from closedloop.policy.weights import weights_checksum
 from closedloop.rollout.source import GeneratorSource
@@ -18,6 +17,7 @@ from closedloop.runtime import (
     build_manifest,
     make_collector,
 )
+from closedloop.verify.task_sets import list_tasks
 from closedloop.verify.verifier import Verifier
 
 

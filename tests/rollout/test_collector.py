@@ -10,7 +10,7 @@ from closedloop.contracts import (
     load_episodes,
 )
 from closedloop.engine import HFGenerator
-from closedloop.envs.tasks.registry import get_bundle, list_tasks
+from closedloop.envs.tasks.registry import get_bundle
 from closedloop.policy import ChatRenderer, build_tiny_model, load_embedded_tokenizer
 from closedloop.policy.weights import weights_checksum
 from closedloop.rollout.source import GeneratorSource, ScriptedSource
@@ -21,6 +21,7 @@ from closedloop.runtime import (
     build_manifest,
     make_collector,
 )
+from closedloop.verify.task_sets import list_tasks
 from closedloop.verify.verifier import Verifier
 
 

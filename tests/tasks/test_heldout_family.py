@@ -12,17 +12,19 @@ from closedloop.envs.tasks import (
     FAMILIES,
     HELDOUT_FAMILIES,
     audit_overlap,
-    build_family_disjoint_set,
-    build_task_sets,
-    default_task_sets,
     generate_task,
     get_bundle,
     get_family,
-    list_tasks,
 )
 from closedloop.envs.tasks.base import HINT_LEVELS, template_level
 from closedloop.envs.workspace import decode_state
 from closedloop.verify.graders import grade, parse_env_strict
+from closedloop.verify.task_sets import (
+    build_family_disjoint_set,
+    build_task_sets,
+    default_task_sets,
+    list_tasks,
+)
 from closedloop.verify.verifier import replay_actions
 
 ENV = HELDOUT_FAMILIES["env-repair-v1"]

@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 
 from closedloop.contracts import Action
-from closedloop.envs.tasks import FAMILIES, HELDOUT_FAMILIES, build_task_sets, generate_task
+from closedloop.envs.tasks import FAMILIES, HELDOUT_FAMILIES, generate_task
 from closedloop.envs.tasks.base import (
     HINT_LEVELS,
     UnknownTaskError,
@@ -21,7 +21,7 @@ from closedloop.envs.tasks.base import (
     shown,
     template_level,
 )
-from closedloop.envs.tasks.split import template_quotas
+from closedloop.verify.task_sets import build_task_sets, template_quotas
 from closedloop.verify.verifier import check_solvable
 
 ALL_FAMILIES = {**FAMILIES, **HELDOUT_FAMILIES}  # training and family-disjoint held-out

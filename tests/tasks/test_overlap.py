@@ -5,13 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from closedloop.envs.tasks import (
-    FAMILIES,
-    audit_overlap,
-    default_task_sets,
-    generate_task,
-    parse_task_id,
-)
+from closedloop.envs.tasks import FAMILIES, audit_overlap, generate_task, parse_task_id
 from closedloop.envs.tasks.base import base_template, template_level
 from closedloop.envs.tasks.overlap import (
     DEDUP_RULE_VERSION,
@@ -20,6 +14,7 @@ from closedloop.envs.tasks.overlap import (
     jaccard,
     shingles,
 )
+from closedloop.verify.task_sets import default_task_sets
 
 
 def test_default_split_is_disjoint() -> None:

@@ -18,9 +18,9 @@ from closedloop.envs.tasks.retain import (
     suite_bundles,
     suite_of,
 )
-from closedloop.envs.tasks.split import build_task_sets
 from closedloop.envs.terminal import TerminalRepairEnv
 from closedloop.evaluate.retain import RetainScorer, check_retain_solvable
+from closedloop.verify.task_sets import build_task_sets
 from closedloop.verify.verifier import Verifier, check_solvable, replay_actions
 
 ALL = [b for s in RETAIN_SUITES for b in suite_bundles(s)]

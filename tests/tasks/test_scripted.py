@@ -15,10 +15,11 @@ from closedloop.envs.scripted import (
     noisy_plan,
     play,
 )
-from closedloop.envs.tasks import default_task_sets, get_bundle, get_spec
+from closedloop.envs.tasks import get_bundle, get_spec
 from closedloop.envs.terminal import TerminalRepairEnv
 from closedloop.envs.workspace import decode_state
 from closedloop.verify import Verifier, check_solvable
+from closedloop.verify.task_sets import default_task_sets
 
 
 @pytest.fixture(scope="module")

@@ -7,15 +7,10 @@ import random
 from collections import Counter
 
 from closedloop.contracts import Action
-from closedloop.envs.tasks import (
-    FAMILIES,
-    TemplateFamily,
-    build_task_sets,
-    default_task_sets,
-    list_tasks,
-)
+from closedloop.envs.tasks import FAMILIES, TemplateFamily
 from closedloop.envs.tasks.base import TaskDraft, base_template
 from closedloop.envs.tasks.json_repair import missing_key, trailing_comma
+from closedloop.verify.task_sets import build_task_sets, default_task_sets, list_tasks
 
 
 def test_default_sets_are_48_16_balanced_and_nothing_discarded() -> None:

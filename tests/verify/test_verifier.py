@@ -7,11 +7,12 @@ import dataclasses
 import pytest
 
 from closedloop.contracts import Action, TamperDetected
-from closedloop.envs.tasks import default_task_sets, generate_task, get_bundle, list_tasks
+from closedloop.envs.tasks import generate_task, get_bundle
 from closedloop.envs.tasks.base import base_template
 from closedloop.envs.workspace import decode_state
 from closedloop.errors import StateDecodeError
 from closedloop.verify import REWARD_KEYS, Verifier, replay_actions
+from closedloop.verify.task_sets import default_task_sets, list_tasks
 
 
 def _gold_state(task_id: str, prefix: tuple[Action, ...] = ()) -> bytes:

@@ -13,10 +13,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from closedloop.contracts import Action, AgentEnv, canonical_json
+from closedloop.contracts.fixture import AdjudicatedFixture
 from closedloop.envs.sim.catalog import SimTask
 from closedloop.envs.sim.state import decode_sim_state
 from closedloop.errors import EnvError
-from closedloop.verify.fixtures import AdjudicatedFixture
 
 
 def played_fixture(make_env: Callable[[], AgentEnv], task: SimTask, kind: str,

@@ -1,4 +1,4 @@
-"""Task families for the terminal-repair environment, their train/held-out split and audit.
+"""Task families for the terminal-repair environment and their overlap audit.
 
 Four versioned training families (``file-repair-v1``, ``json-repair-v1``, ``schema-repair-v1``,
 ``cli-repair-v1``), each with six base templates, two held out, every one posed at the three hint
@@ -26,23 +26,13 @@ from closedloop.envs.tasks.registry import (
     get_family,
     get_grader,
     get_spec,
-    list_tasks,
     parse_task_id,
-)
-from closedloop.envs.tasks.split import (
-    DiscardedTask,
-    TaskSets,
-    build_family_disjoint_set,
-    build_task_sets,
-    default_task_sets,
 )
 from closedloop.errors import TaskGenerationError, UnknownTaskError
 
 __all__ = [
-    "FAMILIES", "FAMILY_IDS", "HELDOUT_FAMILIES", "HINT_LEVELS", "DiscardedTask", "OverlapPair",
-    "OverlapReport", "TaskDraft", "TaskFamily", "TaskGenerationError", "TaskSets",
-    "TemplateFamily", "UnknownTaskError", "audit_overlap", "build_bundle",
-    "build_family_disjoint_set", "build_task_sets", "default_task_sets", "generate_task",
-    "get_bundle", "get_family", "get_grader", "get_spec", "is_reserved_path", "list_tasks",
-    "parse_task_id", "template_level",
+    "FAMILIES", "FAMILY_IDS", "HELDOUT_FAMILIES", "HINT_LEVELS", "OverlapPair", "OverlapReport",
+    "TaskDraft", "TaskFamily", "TaskGenerationError", "TemplateFamily", "UnknownTaskError",
+    "audit_overlap", "build_bundle", "generate_task", "get_bundle", "get_family", "get_grader",
+    "get_spec", "is_reserved_path", "parse_task_id", "template_level",
 ]

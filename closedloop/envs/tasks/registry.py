@@ -8,8 +8,6 @@ the content hash still matches: an id from an older generator version is an
 ``UnknownTaskError``, never a different task.
 
 ``get_spec`` is the public part (for environments); ``get_grader`` is for the verifier only.
-``list_tasks`` lists the default 48/16 task sets of ``closedloop.envs.tasks.split`` (built and
-solvability-filtered once per process).
 """
 
 from __future__ import annotations
@@ -19,7 +17,7 @@ from collections.abc import Mapping
 from functools import lru_cache
 from types import MappingProxyType
 
-from closedloop.envs.task import HiddenGrader, Split, TaskBundle, TaskSpec
+from closedloop.envs.task import HiddenGrader, TaskBundle, TaskSpec
 from closedloop.envs.tasks import (
     cli_repair,
     env_repair,
@@ -36,14 +34,14 @@ FAMILIES: Mapping[str, TaskFamily] = MappingProxyType({
                              cli_repair.FAMILY)
 })
 FAMILY_IDS: tuple[str, ...] = tuple(FAMILIES)
-"""The training families: ``build_task_sets`` draws train and template-disjoint held-out tasks
-from these only."""
+"""The training families: ``closedloop.verify.task_sets.build_task_sets`` draws train and
+template-disjoint held-out tasks from these only."""
 HELDOUT_FAMILIES: Mapping[str, TaskFamily] = MappingProxyType({
     f.family_id: f for f in (env_repair.FAMILY,)
 })
 """Family-disjoint held-out families (``environment_family_disjoint``): resolvable by
 ``get_bundle``, never in ``FAMILIES``, so never trained on; see
-``split.build_family_disjoint_set``."""
+``closedloop.verify.task_sets.build_family_disjoint_set``."""
 _ID_RE = re.compile(r"^(?P<family>[a-z0-9-]+)/(?P<template>[a-z0-9.-]+)/(?P<index>\d{3,})-"
                     r"(?P<digest>[0-9a-f]{8})$")
 
@@ -95,16 +93,3 @@ def get_spec(task_id: str) -> TaskSpec:
 def get_grader(task_id: str) -> HiddenGrader:
     """Return the hidden grader of ``task_id``. Verifier-side use only."""
     return get_bundle(task_id).grader
-
-
-def list_tasks(split: Split | None = None) -> tuple[str, ...]:
-    """Return the ids of the default task sets (train then held-out, or one ``split``)."""
-    from closedloop.envs.tasks.split import default_task_sets  # split imports this module
-
-    sets = default_task_sets()
-    if split is None:
-        return tuple(b.spec.task_id for b in (*sets.train, *sets.heldout))
-    if split not in ("train", "heldout"):
-        raise UnknownTaskError(f"split must be 'train' or 'heldout', got {split!r}")
-    chosen = sets.train if split == "train" else sets.heldout
-    return tuple(b.spec.task_id for b in chosen)

@@ -41,6 +41,7 @@ from closedloop.envs.tasks.base import (
 )
 from closedloop.envs.tasks.registry import FAMILIES, HELDOUT_FAMILIES
 from closedloop.errors import UnknownTaskError
+from closedloop.verify.verifier import check_solvable
 
 SolvabilityFilter = Callable[[TaskBundle], str | None]
 """Return ``None`` if the task is solvable and well-posed, else the reason to discard it."""
@@ -165,14 +166,6 @@ def _fill(family: TaskFamily, template: str, quota: int, split: Split, seed: int
     return kept, dropped
 
 
-def _default_filter(solvability: SolvabilityFilter | None) -> SolvabilityFilter:
-    if solvability is not None:
-        return solvability
-    from closedloop.verify.verifier import check_solvable  # verify sits above envs
-
-    return check_solvable
-
-
 def build_task_sets(train_tasks: int = 48, heldout_tasks: int = 16, seed: int = 0, *,
                     families: Sequence[TaskFamily] | None = None,
                     solvability: SolvabilityFilter | None = None,
@@ -186,7 +179,7 @@ def build_task_sets(train_tasks: int = 48, heldout_tasks: int = 16, seed: int = 
     environment + grader); train_levels / heldout_levels: the hint levels each split is posed at.
     """
     fams = list(families) if families is not None else list(FAMILIES.values())
-    solvable = _default_filter(solvability)
+    solvable = check_solvable if solvability is None else solvability
     out: dict[str, list[TaskBundle]] = {"train": [], "heldout": []}
     discarded: list[DiscardedTask] = []
     splits: tuple[tuple[Split, int, Sequence[str]], ...] = (
@@ -211,7 +204,7 @@ def build_family_disjoint_set(n: int, seed: int = 0, levels: Sequence[str] = HIN
     (default ``closedloop.verify.check_solvable``) and has split ``heldout``. A template that
     cannot fill its quota leaves the suite short (fewer than ``n`` tasks).
     """
-    solvable = _default_filter(solvability)
+    solvable = check_solvable if solvability is None else solvability
     out: list[TaskBundle] = []
     for family, template, quota in template_quotas(list(HELDOUT_FAMILIES.values()), "heldout", n,
                                                    levels):
@@ -224,3 +217,14 @@ def build_family_disjoint_set(n: int, seed: int = 0, levels: Sequence[str] = HIN
 def default_task_sets() -> TaskSets:
     """The default 48/16 sets (seed 0), built and filtered once per process."""
     return build_task_sets()
+
+
+def list_tasks(split: Split | None = None) -> tuple[str, ...]:
+    """Return the ids of the default task sets (train then held-out, or one ``split``)."""
+    sets = default_task_sets()
+    if split is None:
+        return tuple(b.spec.task_id for b in (*sets.train, *sets.heldout))
+    if split not in ("train", "heldout"):
+        raise UnknownTaskError(f"split must be 'train' or 'heldout', got {split!r}")
+    chosen = sets.train if split == "train" else sets.heldout
+    return tuple(b.spec.task_id for b in chosen)

@@ -6,7 +6,7 @@ The package wires the registry's task families (``closedloop.envs.tasks``), the
 expert / noisy expert / random policies, the terminal scaffold (``SYSTEM_PROMPT``,
 ``AGENT_TOOLS``), ``check_env``'s random terminal actions and a ``write_file`` fork probe.
 
-``task_sets`` calls ``closedloop.envs.tasks.split.build_task_sets`` with the request's sizes and
+``task_sets`` calls ``closedloop.verify.task_sets.build_task_sets`` with the request's sizes and
 seed, and passes every ``options`` entry (the config's hint levels, ``environment.options``)
 through as a keyword argument; an option that function does not take is an
 ``EnvPackageError`` naming it.
@@ -27,6 +27,9 @@ from closedloop.envs.scripted import ExpertPolicy, NoisyExpertPolicy, RandomPoli
 from closedloop.envs.tasks.registry import get_bundle, get_spec
 from closedloop.envs.terminal import ENV_VERSION, TerminalRepairEnv
 from closedloop.errors import EnvPackageError
+from closedloop.verify.fixtures import build_fixtures
+from closedloop.verify.task_sets import build_family_disjoint_set, build_task_sets
+from closedloop.verify.verifier import Verifier
 
 ENV_ID = "terminal-repair-v1"
 SYSTEM_PROMPT = (
@@ -79,8 +82,6 @@ def task_info(task_id: str) -> TaskInfo:
 
 
 def _task_set_options() -> frozenset[str]:
-    from closedloop.envs.tasks.split import build_task_sets
-
     params = inspect.signature(build_task_sets).parameters
     return frozenset(params) - _NOT_OPTIONS
 
@@ -90,7 +91,6 @@ def task_sets(request: TaskSetRequest) -> EnvTaskSets:
     when asked for (``build_family_disjoint_set`` at the held-out hint levels) and the overlap
     audit of train against both."""
     from closedloop.envs.tasks.overlap import audit_overlap
-    from closedloop.envs.tasks.split import build_family_disjoint_set, build_task_sets
 
     unknown = sorted(set(request.options) - _task_set_options())
     if unknown:
@@ -113,15 +113,11 @@ def task_sets(request: TaskSetRequest) -> EnvTaskSets:
 
 def make_verifier() -> Any:
     """The clean-room verifier over the registry's hidden graders."""
-    from closedloop.verify.verifier import Verifier  # verify sits above envs
-
     return Verifier()
 
 
 def fixtures(task_ids: tuple[str, ...] | None) -> Sequence[Any]:
     """The adjudicated fixtures of ``task_ids`` (default: one task per template)."""
-    from closedloop.verify.fixtures import build_fixtures
-
     return build_fixtures(task_ids)
 
 

@@ -1,22 +1,11 @@
-"""``check_env``: the environment contract checker, for any ``AgentEnv``, and its pieces.
+"""``check_env``: the environment contract checker, for any ``AgentEnv``; ``check_package``.
 
-For every task and seed it runs, with actions of the environment's own (its package's action
-sampler) mixed with garbage text, malformed calls and ``finish``
-(``closedloop.envs.check_actions``):
-
-- reset determinism (``check_reset``): two fresh envs and a reset after a step agree on the
-  observation, state hash and exported state;
-- step determinism (``check_steps``): one action sequence in two fresh envs gives identical
-  transitions and exported states;
-- snapshot -> restore -> replay (``replay_property``): restoring S_k in place and in a fork and
-  replaying the suffix reproduces the episode (this is what catches an RNG left out of the
-  snapshot and a restore that does not roll the state back);
-- unparsable text (``check_invalid_actions``): it is reported as an error, and two different
-  unparsable texts from one state lead to one state (its effect does not depend on the text);
-- fork isolation (``check_fork_isolation``) with a state-changing probe action of the env's own:
-  the package's ``fork_probe``, else a sampler action found to change the state more than an
-  unparsable text does; forks start at the snapshot, and a step in one fork reaches neither a
-  sibling, the parent, nor the stored snapshot.
+For every task and seed ``check_env`` runs the checks of ``closedloop.envs.check_properties``
+(reset and step determinism, snapshot -> restore -> replay, unparsable text, fork isolation),
+with actions of the environment's own (its package's action sampler) mixed with garbage text,
+malformed calls and ``finish`` (``closedloop.envs.check_actions``). Fork isolation needs a
+state-changing probe action of the env's own: the package's ``fork_probe``, else a sampler
+action found to change the state more than an unparsable text does.
 
 Every failure raises a subclass of ``EnvCheckError`` whose message names the task, the seed and
 the step; an exception of the env's own type becomes ``EnvRaisedError`` naming it. What the env
@@ -32,9 +21,9 @@ import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-from closedloop.contracts import Action, SnapshotRef, Transition
+from closedloop.contracts import Action
 from closedloop.envs.check_actions import (
     DEFAULT_WEIGHTS,
     ActionLike,
@@ -43,19 +32,24 @@ from closedloop.envs.check_actions import (
     garbage_text,
     random_actions,
 )
+from closedloop.envs.check_properties import (
+    EnvFactory,
+    check_fork_isolation,
+    check_invalid_actions,
+    check_reset,
+    check_steps,
+    find_probe,
+    fork_supported,
+    location,
+    replay_property,
+    short,
+)
 from closedloop.envs.task import TaskSpec
 from closedloop.errors import (
     CheckOptionError,
     EnvCheckError,
     EnvRaisedError,
     EnvVersionMismatchError,
-    ForkIsolationError,
-    InvalidActionEffectError,
-    ProbeNoEffectError,
-    ReplayMismatchError,
-    ResetNondeterminismError,
-    RestoreMismatchError,
-    StepNondeterminismError,
     VerifierCheckError,
 )
 
@@ -69,241 +63,6 @@ __all__ = ["DEFAULT_WEIGHTS", "CheckOptionError", "EnvCheckReport", "check_env",
 Probe = Callable[[str], ActionLike | None]
 
 
-class CheckableEnv(Protocol):
-    """What ``check_env`` needs: an ``AgentEnv`` whose ``fork`` returns the same kind."""
-
-    env_version: str
-
-    def reset(self, task_id: str, seed: int) -> str: ...
-    def step(self, action: Action | str) -> Transition: ...
-    def export_state(self) -> bytes: ...
-    def state_hash(self) -> str: ...
-    def snapshot(self, label: str) -> SnapshotRef: ...
-    def restore(self, snapshot: SnapshotRef) -> None: ...
-    def fork(self, snapshot: SnapshotRef, branch_id: str) -> Any: ...
-
-
-EnvFactory = Callable[[], CheckableEnv]
-
-
-def _key(t: Transition) -> tuple[Any, ...]:
-    return (t.observation, t.done, t.state_version, t.step_index, t.termination, t.error)
-
-
-@dataclass(frozen=True)
-class _Run:
-    transitions: tuple[Transition, ...]
-    snapshots: tuple[SnapshotRef, ...]
-    final_export: bytes
-    final_hash: str
-
-
-def _play(env: CheckableEnv, actions: Sequence[ActionLike], snapshot_every: bool) -> _Run:
-    transitions: list[Transition] = []
-    refs: list[SnapshotRef] = []
-    for i, action in enumerate(actions):
-        if snapshot_every:
-            refs.append(env.snapshot(f"t{i}"))
-        transitions.append(env.step(action))
-        if transitions[-1].done:
-            break
-    return _Run(tuple(transitions), tuple(refs), env.export_state(), env.state_hash())
-
-
-def _where(task_id: str, seed: int, step: int) -> str:
-    return f"task {task_id!r} seed {seed} step {step}"
-
-
-def _compare(a: Sequence[Transition], b: Sequence[Transition], offset: int, task_id: str,
-             seed: int, error: type[EnvCheckError], what: str) -> None:
-    if len(a) != len(b):
-        raise error(f"{_where(task_id, seed, offset + min(len(a), len(b)))}: {what}: "
-                    f"{len(a)} vs {len(b)} transitions")
-    for i, (x, y) in enumerate(zip(a, b, strict=True)):
-        if _key(x) != _key(y):
-            field = next(n for n, u, v in zip(("observation", "done", "state_version",
-                                               "step_index", "termination", "error"),
-                                              _key(x), _key(y), strict=True) if u != v)
-            raise error(f"{_where(task_id, seed, offset + i)}: {what}: {field} differs "
-                        f"({_short(getattr(x, field))} vs {_short(getattr(y, field))})")
-
-
-def _short(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 120 else text[:120] + "..."
-
-
-def replay_property(env_factory: EnvFactory, task_id: str, seed: int,
-                    actions: Sequence[ActionLike], snapshot_at: int | None = None, *,
-                    fork: bool = True) -> int:
-    """Check restore(S_k) + replay(a_k..) reproduces the episode; return the steps played.
-
-    Plays ``actions`` from ``reset(task_id, seed)`` (stopping at ``done``) with a snapshot before
-    every step, then for k = ``snapshot_at`` (clamped; default: the middle) restores S_k in the
-    same env and (``fork=True``) in a fork and replays the suffix: observations, state hashes,
-    errors, terminations and the exported final state must be identical. Raises
-    ``RestoreMismatchError`` when the restored hash is not the snapshot's, ``ForkIsolationError``
-    when the fork's is not, ``ReplayMismatchError`` when the replay differs or raises.
-    """
-    env = env_factory()
-    env.reset(task_id, seed)
-    first = _play(env, actions, snapshot_every=True)
-    played = len(first.transitions)
-    if played == 0:
-        return 0
-    k = played // 2 if snapshot_at is None else max(0, min(snapshot_at, played - 1))
-    ref = first.snapshots[k]
-    suffix = actions[k:played]
-    for how in ("restore", "fork") if fork else ("restore",):
-        if how == "restore":
-            env.restore(ref)
-            target: CheckableEnv = env
-        else:
-            target = env.fork(ref, f"replay-{k}")
-        if target.state_hash() != ref.state_hash:
-            error = RestoreMismatchError if how == "restore" else ForkIsolationError
-            raise error(f"{_where(task_id, seed, k)}: {how} gave state hash "
-                        f"{target.state_hash()} != snapshot {ref.state_hash}")
-        try:
-            again = _play(target, suffix, snapshot_every=False)
-        except Exception as exc:  # the recorded suffix ran before: raising now is a mismatch
-            raise ReplayMismatchError(f"{_where(task_id, seed, k)}: replay after {how}: the env "
-                                      f"raised {type(exc).__name__}: {_short(str(exc))}"
-                                      ) from exc
-        _compare(first.transitions[k:], again.transitions, k, task_id, seed,
-                 ReplayMismatchError, f"replay after {how}")
-        if again.final_export != first.final_export or again.final_hash != first.final_hash:
-            raise ReplayMismatchError(f"{_where(task_id, seed, played)}: replay after {how}: "
-                                      "exported final state differs")
-    return played
-
-
-def check_reset(env_factory: EnvFactory, task_id: str, seed: int,
-                step_action: ActionLike = "") -> None:
-    """Two fresh envs and a second reset (after ``step_action``, by default an unparsable
-    text) give the same observation, hash and exported state."""
-    a, b = env_factory(), env_factory()
-    results = [(a.reset(task_id, seed), a.state_hash(), a.export_state()),
-               (b.reset(task_id, seed), b.state_hash(), b.export_state())]
-    a.step(step_action)
-    results.append((a.reset(task_id, seed), a.state_hash(), a.export_state()))
-    for i, what in enumerate(("observation", "state hash", "exported state")):
-        if len({r[i] for r in results}) != 1:
-            raise ResetNondeterminismError(f"{_where(task_id, seed, 0)}: reset gave different "
-                                           f"{what}s")
-
-
-def check_steps(env_factory: EnvFactory, task_id: str, seed: int,
-                actions: Sequence[ActionLike]) -> None:
-    """The same actions from the same reset in two fresh envs give identical transitions."""
-    runs = []
-    for _ in range(2):
-        env = env_factory()
-        env.reset(task_id, seed)
-        runs.append(_play(env, actions, snapshot_every=False))
-    _compare(runs[0].transitions, runs[1].transitions, 0, task_id, seed,
-             StepNondeterminismError, "two fresh envs")
-    if runs[0].final_export != runs[1].final_export:
-        raise StepNondeterminismError(f"{_where(task_id, seed, len(runs[0].transitions))}: "
-                                      "exported final states differ")
-
-
-def _at_prefix(env_factory: EnvFactory, task_id: str, seed: int,
-               prefix: Sequence[ActionLike]) -> tuple[CheckableEnv, int]:
-    """A fresh env after ``prefix`` (reset again if the prefix ended the episode); the step."""
-    env = env_factory()
-    env.reset(task_id, seed)
-    played = _play(env, prefix, snapshot_every=False)
-    if played.transitions and played.transitions[-1].done:
-        env.reset(task_id, seed)
-        return env, 0
-    return env, len(played.transitions)
-
-
-def check_invalid_actions(env_factory: EnvFactory, task_id: str, seed: int,
-                          prefix: Sequence[ActionLike], texts: Sequence[str]) -> None:
-    """From the state after ``prefix``, each unparsable text in ``texts`` must return an error
-    and lead to the same state, done flag and termination (``InvalidActionEffectError``)."""
-    env, at = _at_prefix(env_factory, task_id, seed, prefix)
-    ref = env.snapshot("invalid-check")
-    seen: list[tuple[str, tuple[Any, ...]]] = []
-    for text in texts:
-        env.restore(ref)
-        t = env.step(text)
-        if t.error is None:
-            raise InvalidActionEffectError(f"{_where(task_id, seed, at)}: the unparsable text "
-                                           f"{_short(text)} was not reported as an error")
-        seen.append((text, (env.state_hash(), env.export_state(), t.done, t.termination)))
-    for text, outcome in seen[1:]:
-        if outcome != seen[0][1]:
-            raise InvalidActionEffectError(
-                f"{_where(task_id, seed, at)}: the unparsable texts {_short(seen[0][0])} and "
-                f"{_short(text)} led to different states (an invalid action had an effect "
-                "that depends on its text)")
-
-
-def check_fork_isolation(env_factory: EnvFactory, task_id: str, seed: int,
-                         prefix: Sequence[ActionLike], probe: ActionLike) -> None:
-    """Forks of one snapshot start equal (branch_id leaves the RNG alone) and stay isolated.
-
-    ``probe`` is a state-changing action run in fork A only (``ProbeNoEffectError`` if it
-    changes nothing); fork B, the parent and a fresh fork of the snapshot must keep their
-    state hash and exported bytes, and the probe in B and in the fresh fork must agree.
-    """
-    env, at = _at_prefix(env_factory, task_id, seed, prefix)
-    ref = env.snapshot("fork-check")
-    parent_bytes = env.export_state()
-    fa, fb = env.fork(ref, "a"), env.fork(ref, "b")
-    where = _where(task_id, seed, at)
-    if not fa.state_hash() == fb.state_hash() == ref.state_hash:
-        raise ForkIsolationError(f"{where}: forks do not start at the snapshot's state "
-                                 "(branch_id altered the state or RNG)")
-    fa.step(probe)
-    if fa.state_hash() == ref.state_hash:
-        raise ProbeNoEffectError(f"{where}: the probe {_short(probe)} did not change fork A's "
-                                 "state")
-    for name, other in (("fork B", fb), ("the parent", env)):
-        if other.state_hash() != ref.state_hash or other.export_state() != parent_bytes:
-            raise ForkIsolationError(f"{where}: a step in fork A reached {name}")
-    fresh = env.fork(ref, "c")
-    if fresh.state_hash() != ref.state_hash or fresh.export_state() != parent_bytes:
-        raise ForkIsolationError(f"{where}: a step in fork A changed the stored snapshot")
-    tb = fb.step(probe)
-    tc = fresh.step(probe)
-    if _key(tb) != _key(tc):
-        raise ForkIsolationError(f"{where}: the same action in two forks diverged")
-
-
-def find_probe(env_factory: EnvFactory, task_id: str, seed: int, sampler: Sampler,
-               rng: random.Random, tries: int = 24) -> ActionLike | None:
-    """A sampler action that, from the reset state, changes the state more than an unparsable
-    text does (so it is a real state change, not a step counter); ``None`` if none is found."""
-    env = env_factory()
-    env.reset(task_id, seed)
-    ref = env.snapshot("probe-search")
-    env.step("")
-    counters_only = env.export_state()
-    for _ in range(tries):
-        action = sampler(rng, task_id)
-        env.restore(ref)
-        t = env.step(action)
-        if not t.done and env.export_state() != counters_only and \
-                env.state_hash() != ref.state_hash:
-            return action
-    return None
-
-
-def _fork_supported(env_factory: EnvFactory, task_id: str, seed: int) -> bool:
-    env = env_factory()
-    env.reset(task_id, seed)
-    ref = env.snapshot("fork-support")
-    try:
-        env.fork(ref, "support")
-    except (NotImplementedError, AttributeError):
-        return False
-    return True
-
-
 @contextmanager
 def _reported(task_id: str, seed: int, check: str) -> Iterator[None]:
     """Let check failures through; turn any other exception into ``EnvRaisedError``."""
@@ -313,7 +72,7 @@ def _reported(task_id: str, seed: int, check: str) -> Iterator[None]:
         raise
     except Exception as exc:
         raise EnvRaisedError(f"task {task_id!r} seed {seed} step ?: {check}: the env raised "
-                             f"{type(exc).__name__}: {_short(str(exc))}") from exc
+                             f"{type(exc).__name__}: {short(str(exc))}") from exc
 
 
 @dataclass(frozen=True)
@@ -415,7 +174,7 @@ def check_env(env_factory: EnvFactory, task_ids: Sequence[str], seeds: Sequence[
     notes = ["no action sampler: sequences hold only garbage, malformed calls and finish"
              ] if sampler is None else []
     with _reported(task_ids[0], seeds[0], "fork"):
-        forks_ok = _fork_supported(env_factory, task_ids[0], seeds[0])
+        forks_ok = fork_supported(env_factory, task_ids[0], seeds[0])
     if not forks_ok:
         missing.append("fork")
         notes.append("fork raised NotImplementedError: no fork isolation checks, replays "
@@ -519,7 +278,7 @@ def _check_expert(package: EnvPackage, task_id: str, seed: int, max_steps: int) 
     env.reset(task_id, seed)
     initial = verifier.score_or_quarantine(task_id, env.export_state())
     if initial.success is not None and initial.success >= 1.0:
-        raise VerifierCheckError(f"{_where(task_id, seed, 0)}: the verifier accepts the "
+        raise VerifierCheckError(f"{location(task_id, seed, 0)}: the verifier accepts the "
                                  "untouched reset state")
     observation = env.reset(task_id, seed)
     policy = package.scripted_policy("expert", task_id, seed)
@@ -529,10 +288,10 @@ def _check_expert(package: EnvPackage, task_id: str, seed: int, max_steps: int) 
         if t.done:
             break
     else:
-        raise VerifierCheckError(f"{_where(task_id, seed, max_steps)}: the scripted expert "
+        raise VerifierCheckError(f"{location(task_id, seed, max_steps)}: the scripted expert "
                                  f"did not end the episode in {max_steps} steps")
     final = verifier.score_or_quarantine(task_id, env.export_state())
     if final.success != 1.0:
-        raise VerifierCheckError(f"{_where(task_id, seed, step + 1)}: the verifier scored the "
+        raise VerifierCheckError(f"{location(task_id, seed, step + 1)}: the verifier scored the "
                                  f"expert's final state {final.success} "
                                  f"({final.quarantine_reason or final.grade_reason})")

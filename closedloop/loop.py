@@ -108,10 +108,23 @@ def _ci(summary: EvalSummary) -> list[float] | None:
     return list(summary.pass_at_1_ci) if summary.pass_at_1_ci else None
 
 
+def logged_steps(run: TrainingRun) -> list[dict[str, Any]]:
+    """Every RL step's record in the run's metrics log, in step order: all launches of a
+    resumed run, not only this one."""
+    return sorted((m for m in run.metrics if m.get("kind") == "rl_step"),
+                  key=lambda m: int(m["step"]))
+
+
 def summarize_run(run: TrainingRun, start: EvalSummary, final: EvalSummary,
                   steps: list[StepReport]) -> dict[str, Any]:
-    """The short summary printed at the end of a run (and kept as summary.json)."""
+    """The short summary printed at the end of a run (and kept as summary.json).
+
+    The per-step figures cover every step of the run (from its metrics log, so a resumed run
+    reports all of them); ``rl_steps_this_session`` counts the steps this launch trained.
+    """
     counts = run.ledger.counts()
+    logged = logged_steps(run)
+    scored_groups = sum(int(m["groups"]) - int(m["discarded"]) for m in logged)
     return {
         "run_dir": str(run.dir),
         "model": run.loaded.model_id,
@@ -122,14 +135,14 @@ def summarize_run(run: TrainingRun, start: EvalSummary, final: EvalSummary,
         "invalid_action_rate_start": start.invalid_action_rate,
         "invalid_action_rate_final": final.invalid_action_rate,
         "rl_steps_this_session": len(steps),
-        "train_success_by_step": [s.mean_success for s in steps],
-        "kl_by_step": [s.metrics.get("losses/kl") for s in steps],
-        "zero_variance_groups": sum(s.zero_variance for s in steps),
-        "groups_collected": sum(s.groups for s in steps),
-        "zero_variance_rate": (sum(s.zero_variance for s in steps)
-                               / max(1, sum(s.groups - s.discarded for s in steps))),
+        "train_success_by_step": [m.get("mean_success") for m in logged],
+        "kl_by_step": [(m.get("metrics") or {}).get("losses/kl") for m in logged],
+        "zero_variance_groups": sum(int(m["zero_variance"]) for m in logged),
+        "groups_collected": sum(int(m["groups"]) for m in logged),
+        "zero_variance_rate": (sum(int(m["zero_variance"]) for m in logged)
+                               / max(1, scored_groups)),
         "ledger": {k: v for k, v in counts.__dict__.items()} if hasattr(counts, "__dict__")
         else str(counts),
         "sft_action_tokens": run.sft_tokens,
-        "seconds_by_step": [s.seconds for s in steps],
+        "seconds_by_step": [m.get("seconds") for m in logged],
     }

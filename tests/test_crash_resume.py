@@ -451,7 +451,8 @@ def test_sigkill_and_resume_consumes_each_group_once_and_matches_uninterrupted(
     assert ref_summary["heldout_success_final"] is not None, "held-out episodes all censored"
     for key in ("heldout_success_start", "heldout_success_final", "pass_hat_k_start",
                 "pass_hat_k_final", "invalid_action_rate_start", "invalid_action_rate_final",
-                "ledger"):
+                "ledger", "train_success_by_step", "kl_by_step", "zero_variance_groups",
+                "groups_collected", "zero_variance_rate"):
         assert crash_summary[key] == ref_summary[key], key
     print(f"crash test: {crashed.launches} launches, {len(crashed.kills)} kills, "
           f"{time.monotonic() - t0:.1f}s (plus the tiny agent fixture)")

@@ -64,15 +64,14 @@ def pool_replicates(results: list[dict[str, Any]], seed: int = 0) -> dict[str, A
     suites = sorted({s for r in results for s in r.get("suites", {})})
     for suite in suites:
         pooled[suite] = {}
+        suite_arms = [r.get("suites", {}).get(suite, {}).get("arms", {}) for r in results]
         for arm in ARMS:
-            if arm == "frozen" or not any(
-                    arm in r.get("suites", {}).get(suite, {}).get("arms", {}) for r in results):
+            if arm == "frozen" or not any(arm in arms for arms in suite_arms):
                 continue  # the frozen baseline, or an arm this suite does not evaluate
             treated: dict[str, list[float]] = {}
             base: dict[str, list[float]] = {}
             per_rep = []
-            for r in results:
-                arms = r.get("suites", {}).get(suite, {}).get("arms", {})
+            for r, arms in zip(results, suite_arms, strict=True):
                 a, f = arms.get(arm, {}), arms.get("frozen", {})
                 frozen_tasks = f.get("per_task") or {}
                 for task, v in (a.get("per_task") or {}).items():

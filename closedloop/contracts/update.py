@@ -91,6 +91,10 @@ class ObjectiveOutput(NamedTuple):
     m_i = Σ_t |c_it|, ``grad_mass_total`` is Σ_i m_i and the other ``grad_mass_*`` fields are
     shares of it in [0, 1] (successful vs failed episodes, length bands).
 
+    Ratio tails are statistics of log ρ = log πθ - log π_beh over the action tokens;
+    ``log_ratio_N`` holds those per-token values (detached, float64, flat in row-major order of
+    the mask) so that statistics over several micro-batches can be computed exactly.
+
     Metrics that are undefined (no action tokens, no reference log-probs, no clipping in the
     objective, no turn ids, no success labels, no gradient mass) are ``None``, never 0.
     """
@@ -108,6 +112,7 @@ class ObjectiveOutput(NamedTuple):
     ratio_p99: float | None
     ratio_max: float | None
     abs_log_ratio_mean: float | None
+    abs_log_ratio_p99: float | None
     abs_log_ratio_max: float | None
     grad_mass_total: float
     grad_mass_success: float | None
@@ -116,6 +121,7 @@ class ObjectiveOutput(NamedTuple):
     grad_mass_medium: float | None
     grad_mass_long: float | None
     grad_coef_B_T: torch.Tensor
+    log_ratio_N: torch.Tensor
     n_episodes: int
     n_action_tokens: int
     n_empty_episodes: int
@@ -136,7 +142,7 @@ _METRIC_GROUPS: dict[str, str] = {
     **dict.fromkeys(("pg_loss", "kl", "kl_token_mean", "entropy"), "losses"),
     **dict.fromkeys(("clip_frac_token", "clip_frac_turn", "clip_frac_episode"), "clip"),
     **dict.fromkeys(("ratio_p50", "ratio_p95", "ratio_p99", "ratio_max", "abs_log_ratio_mean",
-                     "abs_log_ratio_max"), "ratio"),
+                     "abs_log_ratio_p99", "abs_log_ratio_max"), "ratio"),
     **dict.fromkeys(("grad_mass_total", "grad_mass_success", "grad_mass_failure",
                      "grad_mass_short", "grad_mass_medium", "grad_mass_long"), "grad_mass"),
     **dict.fromkeys(("n_episodes", "n_action_tokens", "n_empty_episodes"), "batch"),

@@ -38,7 +38,7 @@ from closedloop.contracts.update import (
 from closedloop.engine import check_precision, matmul_precision, trainer_path_logprobs
 from closedloop.errors import BatchReuseError, LearnError
 from closedloop.learn.kl import KLSpec
-from closedloop.learn.objectives import ClipRange, get_objective
+from closedloop.learn.objectives import ClipRange, get_objective, ratio_stats
 from closedloop.learn.reducers import reducer_weights
 from closedloop.rollout.tensors import ShiftedTargets, TrainingBatch, shift_targets
 
@@ -201,12 +201,18 @@ def _merge_metrics(outputs: list[tuple[ObjectiveOutput, int]]) -> Metrics:
     """Combine micro-batch metrics: sums for losses and counts, episode-weighted means else.
 
     Losses and gradient masses are sums over micro-batches (each already carries its share of
-    the whole-batch normalization); maxima (``*_max``) are maxima; ratio quantiles, clip
-    fractions and entropy are averaged.
+    the whole-batch normalization); maxima (``*_max``) are maxima; clip fractions and entropy
+    are averaged. The ratio tails (``ratio/*``) are recomputed over the action tokens of all
+    micro-batches at once (``ratio_stats`` of their ``log_ratio_N``), so their quantiles are the
+    whole batch's, exactly.
     """
     merged: Metrics = {}
     per = [o.metrics() for o, _ in outputs]
+    whole = ratio_stats(torch.cat([o.log_ratio_N for o, _ in outputs]))
     for key in per[0]:
+        if key.startswith("ratio/"):
+            merged[key] = whole[key.removeprefix("ratio/")]
+            continue
         present = [(m[key], n) for m, (_, n) in zip(per, outputs, strict=True)
                    if m[key] is not None]
         if not present:

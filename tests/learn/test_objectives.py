@@ -26,6 +26,7 @@ from closedloop.learn import (
     reinforce_with_kl,
     token_entropy,
 )
+from closedloop.learn.objectives.diagnostics import RATIO_KEYS, ratio_stats
 
 F64 = torch.float64
 
@@ -383,12 +384,41 @@ def test_reinforce_reports_unit_ratios_on_fresh_data_and_no_clipping() -> None:
         entropy_B_T=token_entropy(policy.logits()),
     ))
     assert out.ratio_p50 == out.ratio_p95 == out.ratio_p99 == out.ratio_max == 1.0
-    assert out.abs_log_ratio_mean == 0.0
+    assert out.abs_log_ratio_mean == out.abs_log_ratio_p99 == out.abs_log_ratio_max == 0.0
     assert out.clip_frac_token is None and out.clip_frac_episode is None
     assert out.entropy is not None and 0.0 < out.entropy < torch.log(torch.tensor(7.0)).item()
     metrics = out.metrics()
     assert metrics["ratio/ratio_p99"] == 1.0 and metrics["clip/clip_frac_token"] is None
     assert metrics["batch/n_action_tokens"] == int(MASK.sum())
+
+
+def test_ratio_tails_hand_worked() -> None:
+    # |log ρ| = 0, 0.01, ..., 1.00 (101 values, alternating sign): the 0.99 quantile sits at
+    # rank 0.99 · 100 = 99 exactly, so p99 = 0.99; mean = 0.5; max = 1.0; ρ_max = e^1.0.
+    abs_log = torch.arange(101, dtype=F64) / 100
+    log_ratio = torch.where(torch.arange(101) % 2 == 0, abs_log, -abs_log)
+    stats = ratio_stats(log_ratio[torch.randperm(101, generator=torch.Generator().manual_seed(0))])
+    assert stats["abs_log_ratio_p99"] == pytest.approx(0.99, abs=1e-12)
+    assert stats["abs_log_ratio_mean"] == pytest.approx(0.5, abs=1e-12)
+    assert stats["abs_log_ratio_max"] == 1.0
+    assert stats["ratio_max"] == pytest.approx(torch.e)
+    assert ratio_stats(torch.zeros(0, dtype=F64)) == dict.fromkeys(RATIO_KEYS)
+
+
+def test_the_output_keeps_each_action_tokens_log_ratio() -> None:
+    """``log_ratio_N`` is log πθ - log π_beh on the mask, row-major; its statistics are the
+    output's ratio tails (the p99 of |log ρ| among them)."""
+    policy = TinyPolicy()
+    new = policy.logprobs()
+    beh = new.detach() + 0.1 * torch.randn(B, T, generator=torch.Generator().manual_seed(1),
+                                           dtype=F64)
+    out = reinforce_with_kl(ObjectiveInputs(new_logprobs_B_T=new, behavior_logprobs_B_T=beh,
+                                            advantages_B=policy.advantages, mask_B_T=MASK))
+    expected = (new.detach() - beh)[MASK.bool()]
+    torch.testing.assert_close(out.log_ratio_N, expected, rtol=0, atol=0)
+    assert out.abs_log_ratio_p99 == float(torch.quantile(expected.abs(), 0.99))
+    assert out.metrics()["ratio/abs_log_ratio_p99"] == out.abs_log_ratio_p99
+    assert 0 < out.abs_log_ratio_mean < out.abs_log_ratio_p99 < out.abs_log_ratio_max
 
 
 def test_gradient_mass_split_hand_worked() -> None:

@@ -16,7 +16,7 @@ gradient mass).
 """
 
 from closedloop.errors import NonFiniteLogprobError, UnknownObjectiveError
-from closedloop.learn.objectives.diagnostics import token_entropy
+from closedloop.learn.objectives.diagnostics import ratio_stats, token_entropy
 from closedloop.learn.objectives.registry import OBJECTIVES, BoundObjective, get_objective
 from closedloop.learn.objectives.surrogates import (
     ClipRange,
@@ -36,6 +36,7 @@ __all__ = [
     "get_objective",
     "normalized_ratio_clip",
     "ppo_clip",
+    "ratio_stats",
     "reinforce_with_kl",
     "token_entropy",
 ]

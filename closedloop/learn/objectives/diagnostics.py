@@ -6,10 +6,14 @@ objective's weights w_it; placed in the loss as β·Σ w_it k_it when ``kl_spec.
 analytic coefficient is β·w_it·∂k/∂log πθ with d = log π_ref - log πθ: k1 → 1, k2 → -d,
 k3 → -(e^d - 1).
 
-Ratio tails: ρ_it = exp(log πθ - log π_beh) over action tokens (p50, p95, p99, max, mean and
-max |log ρ|). Clip fractions: token = clipped action tokens / action tokens; turn = turns
-(episode, turn id) holding a clipped token / turns; episode = episodes holding one / non-empty
-episodes.
+Ratio tails (:func:`ratio_stats`): over the action tokens' log ρ_it = log πθ - log π_beh,
+the p50, p95, p99 and max of ρ = exp(log ρ) and the mean, p99 and max of |log ρ|. Quantiles are
+exact: linear interpolation between order statistics (``torch.quantile``). ``log_ratio_N`` in
+the output keeps the detached per-token log ρ so that a caller holding several micro-batches
+can compute the same statistics over all of them.
+
+Clip fractions: token = clipped action tokens / action tokens; turn = turns (episode, turn id)
+holding a clipped token / turns; episode = episodes holding one / non-empty episodes.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from closedloop.learn.kl import KLSpec, get_kl_estimator, validate_kl_placement
 from closedloop.learn.objectives.inputs import PreparedBatch
 from closedloop.learn.reducers import turn_slot_ids
 
-__all__ = ["KLTerm", "finish", "kl_term", "token_entropy"]
+__all__ = ["RATIO_KEYS", "KLTerm", "finish", "kl_term", "ratio_stats", "token_entropy"]
 
 _KL_DERIVATIVE = {
     # d k / d log πθ, with d = log πref - log πθ
@@ -32,8 +36,8 @@ _KL_DERIVATIVE = {
     "k2": lambda d: -d,
     "k3": lambda d: -torch.expm1(d),
 }
-_RATIO_KEYS = ("ratio_p50", "ratio_p95", "ratio_p99", "ratio_max", "abs_log_ratio_mean",
-               "abs_log_ratio_max")
+RATIO_KEYS = ("ratio_p50", "ratio_p95", "ratio_p99", "ratio_max", "abs_log_ratio_mean",
+              "abs_log_ratio_p99", "abs_log_ratio_max")
 _CLIP_KEYS = ("clip_frac_token", "clip_frac_turn", "clip_frac_episode")
 
 
@@ -73,19 +77,24 @@ def kl_term(batch: PreparedBatch, spec: KLSpec | None, reward_spec: KLSpec | Non
     return KLTerm((weights * k).sum(), token_mean, coef)
 
 
-def _ratio_stats(batch: PreparedBatch) -> dict[str, float | None]:
-    log_ratio = (batch.new.detach() - batch.beh)[batch.on].double()
+def ratio_stats(log_ratio_N: torch.Tensor) -> dict[str, float | None]:
+    """The ratio tails of the module doc over the flat per-token log ρ ``log_ratio_N`` (every
+    key ``None`` when it is empty): ρ quantiles p50/p95/p99 and max, |log ρ| mean, p99 and max.
+    """
+    log_ratio = log_ratio_N.detach().double()
     if log_ratio.numel() == 0:
-        return dict.fromkeys(_RATIO_KEYS)
+        return dict.fromkeys(RATIO_KEYS)
     ratio = log_ratio.exp()
     q = torch.quantile(ratio, ratio.new_tensor([0.5, 0.95, 0.99]))
+    abs_log = log_ratio.abs()
     return {
         "ratio_p50": float(q[0]),
         "ratio_p95": float(q[1]),
         "ratio_p99": float(q[2]),
         "ratio_max": float(ratio.max()),
-        "abs_log_ratio_mean": float(log_ratio.abs().mean()),
-        "abs_log_ratio_max": float(log_ratio.abs().max()),
+        "abs_log_ratio_mean": float(abs_log.mean()),
+        "abs_log_ratio_p99": float(torch.quantile(abs_log, 0.99)),
+        "abs_log_ratio_max": float(abs_log.max()),
     }
 
 
@@ -147,6 +156,7 @@ def finish(objective: str, inputs: ObjectiveInputs, batch: PreparedBatch, pg_los
     if spec is not None and spec.beta > 0 and kl.value is not None:
         loss = pg_loss + spec.beta * kl.value
     coef = ((pg_coef_B_T + kl.coef_B_T) * batch.on).detach()
+    log_ratio_N = (batch.new.detach() - batch.beh)[batch.on].double()
     n_tok = int(batch.on.sum())
     clips = (_clip_fractions(batch, clipped_B_T & batch.on) if clipped_B_T is not None
              else dict.fromkeys(_CLIP_KEYS))
@@ -160,10 +170,11 @@ def finish(objective: str, inputs: ObjectiveInputs, batch: PreparedBatch, pg_los
         kl_token_mean=kl.token_mean,
         entropy=entropy,
         **clips,
-        **_ratio_stats(batch),
+        **ratio_stats(log_ratio_N),
         grad_mass_total=float(coef.abs().sum()),
         **_grad_mass(batch, coef, inputs.length_band_edges),
         grad_coef_B_T=coef,
+        log_ratio_N=log_ratio_N,
         n_episodes=int(batch.on.shape[0]),
         n_action_tokens=n_tok,
         n_empty_episodes=int((~batch.on.any(dim=1)).sum()),

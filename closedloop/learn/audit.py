@@ -7,7 +7,8 @@ recomputation over the same exact prefixes and ids (``trainer_path_logprobs``, t
 
     δ_t = log π_generator(a_t|h_t) - log π_trainer(a_t|h_t)
 
-Reported: the signed mean of δ, p95 and max of |δ|, the sequence log-perplexity difference, and
+Reported: the signed mean of δ, p95, p99 and max of |δ| (quantiles exact: linear interpolation
+between order statistics, as ``torch.quantile``), the sequence log-perplexity difference, and
 the non-negative k3 estimate of KL(π_gen || π_trainer) from generator samples,
 k3 = E[exp(-δ) - 1 + δ]. The gate passes when max |δ| and p95 |δ| are within the declared
 tolerances.
@@ -55,6 +56,7 @@ class AuditResult:
     n_tokens: int
     signed_mean: float
     abs_p95: float
+    abs_p99: float
     abs_max: float
     k3: float
     log_ppl_diff: float
@@ -104,10 +106,11 @@ def audit_logprobs(model: Any, episodes: Sequence[Episode], weight_checksum: str
     abs_delta = delta.abs()
     k3 = (torch.exp(-delta) - 1 + delta).mean()
     p95 = float(torch.quantile(abs_delta, 0.95))
+    p99 = float(torch.quantile(abs_delta, 0.99))
     dtype = precision_label(precision, str(next(model.parameters()).dtype).removeprefix("torch."))
     return AuditResult(
         n_episodes=len(usable), n_tokens=int(delta.numel()), signed_mean=float(delta.mean()),
-        abs_p95=p95, abs_max=float(abs_delta.max()), k3=float(k3),
+        abs_p95=p95, abs_p99=p99, abs_max=float(abs_delta.max()), k3=float(k3),
         log_ppl_diff=float(delta.mean()), tolerance_max=tolerance_max,
         tolerance_p95=tolerance_p95,
         passed=bool(float(abs_delta.max()) <= tolerance_max and p95 <= tolerance_p95),
@@ -147,14 +150,17 @@ TOLERANCE_SOURCES = ("bf16_same_engine_baseline", "fixed")
 
 @dataclass(frozen=True)
 class AuditTolerances:
-    """The audit's bounds on max and p95 |δ|, where they came from, and the baseline measured
-    (``None`` for the ``fixed`` source)."""
+    """The audit's bounds on max, p95 and p99 |δ|, where they came from, and the baseline
+    measured (``None`` for the ``fixed`` source). ``tolerance_p99`` is not an audit criterion:
+    it bounds the per-step p99 |log πθ/π_beh| of a bf16 run (gate ``ratio_on_policy``)."""
 
     tolerance_max: float
     tolerance_p95: float
+    tolerance_p99: float
     tolerance_source: str
     baseline_abs_max: float | None = None
     baseline_abs_p95: float | None = None
+    baseline_abs_p99: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form."""
@@ -168,22 +174,27 @@ def audit_tolerances(source: str, max_abs_tolerance: float, model: Any,
                      precision: str = "bfloat16") -> AuditTolerances:
     """The preregistered tolerances of an audit (config ``consistency.tolerance_source``).
 
-    ``fixed``: max = τ, p95 = τ/10, with τ = ``max_abs_tolerance``.
+    ``fixed``: max = τ, p95 = τ/10, p99 = τ, with τ = ``max_abs_tolerance``.
 
     ``bf16_same_engine_baseline``: the trainer path scores the audited tokens twice at the
     audited weights, with float32 and with bfloat16 matmuls: b_t = |log π_bf16(a_t) -
     log π_fp32(a_t)| is what bf16 rounding alone moves a log-prob in one engine, on this model
     and host. Generator and trainer each differ from the fp32 engine by at most one such
     rounding (none at float32), so by the triangle inequality their gap is bounded by 2·b:
-    max = max(τ, 2·max_t b_t), p95 = max(τ/10, 2·p95_t b_t); τ stays a floor for a model on which
-    bf16 happens to round exactly. Audited tokens and temperature are those of
-    :func:`audit_logprobs` with the same ``sampler``.
+    max = max(τ, 2·max_t b_t), p95 = max(τ/10, 2·p95_t b_t), p99 = max(τ, 2·p99_t b_t); τ stays a
+    floor for a model on which bf16 happens to round exactly. (For a quantile the triangle
+    inequality with a union bound guarantees 2·b_q only at level 2q - 1, e.g. p98 for p99: the
+    quantile bounds are the declared convention, the max bound is the strict one.) The maximum
+    grows with the number of tokens it is taken over, a quantile does not: p99 is the bound to
+    compare with statistics over batches of another size. Audited tokens and temperature are
+    those of :func:`audit_logprobs` with the same ``sampler``.
 
     ``precision`` is the run's matmul precision. A ``float32`` run has no bf16 rounding on either
     side (b = 0), so its bounds are the fixed ones: the baseline never loosens an fp32 audit.
     """
     if source == "fixed" or (source == "bf16_same_engine_baseline" and precision == "float32"):
-        return AuditTolerances(max_abs_tolerance, max_abs_tolerance / 10, source)
+        return AuditTolerances(max_abs_tolerance, max_abs_tolerance / 10, max_abs_tolerance,
+                               source)
     if source != "bf16_same_engine_baseline":
         raise ContractError(f"tolerance source must be one of {TOLERANCE_SOURCES}, got {source!r}")
     tempered = sampler is not None and sampler.top_k is None and sampler.top_p >= 1.0
@@ -196,5 +207,7 @@ def audit_tolerances(source: str, max_abs_tolerance: float, model: Any,
             - _trainer_scores(model, usable, "float32", *args)).abs()
     drop_bf16_copies(model)  # the baseline's bf16 weight copies are not the run's to keep
     b_max, b_p95 = float(base.max()), float(torch.quantile(base, 0.95))
+    b_p99 = float(torch.quantile(base, 0.99))
     return AuditTolerances(max(max_abs_tolerance, 2 * b_max),
-                           max(max_abs_tolerance / 10, 2 * b_p95), source, b_max, b_p95)
+                           max(max_abs_tolerance / 10, 2 * b_p95),
+                           max(max_abs_tolerance, 2 * b_p99), source, b_max, b_p95, b_p99)

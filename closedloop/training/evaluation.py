@@ -109,8 +109,8 @@ class RunEvaluation(RunPolicy):
                                         **result.to_dict(), **bounds.to_dict()})
         self.log_metrics("audit", result.to_dict())
         log(f"log-prob audit at {manifest.policy_version}: max |Δ| {result.abs_max:.2e}, p95 "
-            f"{result.abs_p95:.2e}, k3 {result.k3:.2e} over {result.n_tokens} tokens -> "
-            f"{'pass' if result.passed else 'FAIL'}")
+            f"{result.abs_p95:.2e}, p99 {result.abs_p99:.2e}, k3 {result.k3:.2e} over "
+            f"{result.n_tokens} tokens -> {'pass' if result.passed else 'FAIL'}")
         if not result.passed:
             raise ConsistencyGateError(f"generator/trainer mismatch {result.abs_max:.3e} "
                                        f"exceeds the tolerance {tol:.1e}")

@@ -334,12 +334,13 @@ def half_success(task: str, key: str) -> bool:
 
 
 def audit_record(run: Path, abs_max: float = 1e-5, abs_p95: float = 1e-6,
-                 k3: float = 1e-11) -> dict[str, Any]:
+                 k3: float = 1e-11, abs_p99: float = 5e-6) -> dict[str, Any]:
     """An ``audit.json`` as ``TrainingRun.audit_frozen`` writes it, for the run's v0000."""
     checksum = PolicyRegistry(run / "registry").manifest("v0000").weight_checksum
     return {"label": "start", "version": "v0000", "n_episodes": 8, "n_tokens": 240,
-            "signed_mean": 0.0, "abs_p95": abs_p95, "abs_max": abs_max, "k3": k3,
-            "log_ppl_diff": 0.0, "tolerance_max": 1e-3, "tolerance_p95": 1e-4,
+            "signed_mean": 0.0, "abs_p95": abs_p95, "abs_p99": abs_p99, "abs_max": abs_max,
+            "k3": k3, "log_ppl_diff": 0.0, "tolerance_max": 1e-3, "tolerance_p95": 1e-4,
+            "tolerance_p99": 1e-3, "tolerance_source": "bf16_same_engine_baseline",
             "passed": abs_max <= 1e-3 and abs_p95 <= 1e-4, "weight_checksum": checksum,
             "trainer_dtype": "float32"}
 

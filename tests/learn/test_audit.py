@@ -27,6 +27,7 @@ def test_same_version_fp32_passes(sampled):
     result = audit_logprobs(model, episodes, checksum)
     assert result.n_tokens == sum(len(t.action_token_ids) for e in episodes for t in e.turns)
     assert result.abs_max < 1e-4
+    assert result.abs_p95 <= result.abs_p99 <= result.abs_max
     assert 0 <= result.k3 < 1e-8
     assert result.passed
 
@@ -65,8 +66,8 @@ def test_other_weights_are_not_a_same_version_audit(sampled):
 def test_fixed_tolerances_are_the_declared_ones(sampled):
     model, _, episodes = sampled
     bounds = audit_tolerances("fixed", 1e-3, model, episodes)
-    assert (bounds.tolerance_max, bounds.tolerance_p95) == (1e-3, 1e-4)
-    assert bounds.baseline_abs_max is None
+    assert (bounds.tolerance_max, bounds.tolerance_p95, bounds.tolerance_p99) == (1e-3, 1e-4, 1e-3)
+    assert bounds.baseline_abs_max is None and bounds.baseline_abs_p99 is None
 
 
 def test_the_bf16_baseline_admits_bf16_rounding_and_still_catches_a_misalignment(sampled):
@@ -80,6 +81,9 @@ def test_the_bf16_baseline_admits_bf16_rounding_and_still_catches_a_misalignment
     assert base.baseline_abs_max > 1e-5  # bf16 rounding moves log-probs: ~0.2 on this model
     assert base.tolerance_max == 2 * base.baseline_abs_max
     assert base.tolerance_p95 == max(1e-6, 2 * base.baseline_abs_p95)
+    assert base.baseline_abs_p99 is not None
+    assert base.baseline_abs_p95 <= base.baseline_abs_p99 <= base.baseline_abs_max
+    assert base.tolerance_p99 == max(1e-5, 2 * base.baseline_abs_p99)
     verdicts = {}
     for name, b in (("fixed", tight), ("baseline", base)):
         verdicts[name] = audit_logprobs(model, episodes, checksum, precision="bfloat16",
@@ -103,8 +107,8 @@ def test_the_baseline_never_loosens_a_float32_audit(sampled):
     model, checksum, episodes = sampled
     bounds = audit_tolerances("bf16_same_engine_baseline", 1e-3, model, episodes,
                               precision="float32")
-    assert (bounds.tolerance_max, bounds.tolerance_p95) == (1e-3, 1e-4)
-    assert bounds.baseline_abs_max is None
+    assert (bounds.tolerance_max, bounds.tolerance_p95, bounds.tolerance_p99) == (1e-3, 1e-4, 1e-3)
+    assert bounds.baseline_abs_max is None and bounds.baseline_abs_p99 is None
     first = episodes[0].turns[0]
     raw = list(first.raw_model_logprobs)
     raw[0] -= 1e-2

@@ -18,6 +18,9 @@ from transformers import AutoModelForCausalLM
 
 from closedloop.config import parse_config
 from closedloop.contracts import load_episodes
+from closedloop.evaluate.gates.base import GateOptions
+from closedloop.evaluate.gates.signal import gate_ratio_on_policy
+from closedloop.evaluate.rundir import load_run
 from closedloop.learn.audit import audit_logprobs
 from closedloop.loop import train
 from closedloop.policy.registry import PolicyRegistry, version_name
@@ -91,6 +94,11 @@ def test_a_bf16_run_labels_its_manifests_and_audits_the_bf16_paths(agent_dir: Pa
     assert audit["trainer_dtype"] == LABEL and audit["tolerance_source"] == (
         "bf16_same_engine_baseline")
     assert audit["n_tokens"] > 0 and audit["passed"] is True
+    assert audit["abs_p99"] <= audit["abs_max"] and audit["tolerance_p99"] <= audit["tolerance_max"]
+    # the on-policy RL step is gated on its p99 |log πθ/π_beh| against the audit's p99 bound
+    ratio = gate_ratio_on_policy(load_run(tmp_path / "run"), GateOptions())
+    assert ratio.passed is True, ratio.detail
+    assert ratio.evidence["statistic"] == "ratio/abs_log_ratio_p99"
     trainer_cfg = json.loads((tmp_path / "run" / "trainer.json").read_text())
     assert trainer_cfg["precision"] == "bfloat16"
     # the generator really sampled in bf16: at v0000 the policy is the agent itself (a zero

@@ -30,6 +30,7 @@ from closedloop.engine.precision import (
     precision_label,
 )
 from closedloop.engine.prefix_logprobs import (
+    common_prefix_lengths,
     prompt_prefix_lengths,
     shared_prefix_logprobs,
     trainer_path_logprobs,
@@ -41,8 +42,8 @@ __all__ = [  # noqa: RUF022 -- grouped by topic, sorted within each group
     # generation
     "GeneratorStats", "HFGenerator", "SessionId",
     # log-prob scoring
-    "LogprobInputError", "prompt_prefix_lengths", "sequence_logprobs", "shared_prefix_logprobs",
-    "trainer_path_logprobs",
+    "LogprobInputError", "common_prefix_lengths", "prompt_prefix_lengths", "sequence_logprobs",
+    "shared_prefix_logprobs", "trainer_path_logprobs",
     # the plain transformers reference
     "reference_generate", "reference_logprobs",
     # matmul precision

@@ -47,6 +47,32 @@ def prompt_prefix_lengths(target_mask_B_T: torch.Tensor) -> torch.Tensor:
     return torch.where(live_B_T.any(dim=1), first_B + 1, torch.zeros_like(first_B))
 
 
+def common_prefix_lengths(token_ids_B_T: torch.Tensor, attention_mask_B_T: torch.Tensor,
+                          target_mask_B_T: torch.Tensor) -> torch.Tensor:
+    """Return ``prefix_len_B``, every entry the same ``p``: the longest prefix all rows share,
+    cut at the earliest row's first target (``prompt_prefix_lengths``), so the shared ids are
+    prompt only.
+
+    Rows of different prompts built on one scaffold share its system message: with this prefix
+    ``shared_prefix_logprobs`` forwards it once per call instead of once per row (supervised
+    batches, whose rows are different tasks). Rows without targets do not constrain ``p`` and get
+    0 (they are not scored); when no row has a target, or nothing is shared, every entry is 0
+    (the unshared path).
+    """
+    first_B = prompt_prefix_lengths(target_mask_B_T)
+    live = [b for b in range(token_ids_B_T.shape[0]) if int(first_B[b]) > 0]
+    if not live:
+        return torch.zeros_like(first_B)
+    ids_R_T = token_ids_B_T[live]
+    limit = min(int(first_B[b]) for b in live)
+    same_T = (ids_R_T[:, :limit] == ids_R_T[:1, :limit]).all(dim=0)
+    same_T &= attention_mask_B_T[live][:, :limit].bool().all(dim=0)
+    p = limit if bool(same_T.all()) else int((~same_T).long().argmax())
+    out_B = torch.zeros_like(first_B)
+    out_B[live] = p
+    return out_B
+
+
 def shared_prefix_logprobs(model: Any, token_ids_B_T: torch.Tensor,
                            attention_mask_B_T: torch.Tensor | None = None,
                            target_mask_B_T: torch.Tensor | None = None,

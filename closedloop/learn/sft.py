@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from closedloop.contracts import Episode
-from closedloop.engine import sequence_logprobs
+from closedloop.engine import common_prefix_lengths, shared_prefix_logprobs
 from closedloop.errors import LearnError
 from closedloop.rollout.tensors import build_training_batch, shift_targets
 
@@ -41,7 +41,10 @@ def sft_backward(
     """Backpropagate the token-mean NLL of the action tokens of ``episodes``.
 
     L = -(1/N) Σ_i Σ_t m_it log πθ(y_it), N = Σ m over all of ``episodes``; computed in
-    micro-batches whose gradients add up to the whole one. Returns (L, N).
+    micro-batches whose gradients add up to the whole one. Each micro-batch is one packed decoder
+    call with the prompt prefix its rows share (the scaffold's system message) forwarded once
+    (``common_prefix_lengths``, ``shared_prefix_logprobs``): equal to scoring every row on its
+    own up to floating-point summation order. Returns (L, N).
     """
     shifted_all = shift_targets(build_training_batch(episodes, pad_id=pad_id))
     n_total = int(shifted_all.mask_B_T.sum())
@@ -51,8 +54,9 @@ def sft_backward(
     for start in range(0, len(episodes), micro_batch_size):
         batch = build_training_batch(episodes[start : start + micro_batch_size], pad_id=pad_id)
         mask = shift_targets(batch).mask_B_T
-        logprobs = sequence_logprobs(model, batch.token_ids_B_T, batch.attention_mask_B_T,
-                                     target_mask_B_T=mask)
+        ids, attn = batch.token_ids_B_T, batch.attention_mask_B_T
+        logprobs = shared_prefix_logprobs(model, ids, attn, target_mask_B_T=mask,
+                                          prefix_len_B=common_prefix_lengths(ids, attn, mask))
         loss = -(logprobs * mask).sum() / n_total
         loss.backward()
         total += float(loss.detach())
@@ -69,7 +73,7 @@ def supervised_warm_start(
     learning_rate: float,
     seed: int,
     max_tokens: int | None = None,
-    micro_batch_size: int = 2,
+    micro_batch_size: int = 8,
     bf16_autocast: bool = False,
     progress: Callable[[int], None] | None = None,
 ) -> SFTResult:

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from closedloop.engine import (
     LogprobInputError,
+    common_prefix_lengths,
     prompt_prefix_lengths,
     sequence_logprobs,
     shared_prefix_logprobs,
@@ -77,6 +78,46 @@ def test_prompt_prefix_lengths_is_the_prompt_before_the_first_action():
     assert prompt_prefix_lengths(mask).tolist() == [3, 0, 1]
     _, _, target, prompts = grouped_rows()
     assert prompt_prefix_lengths(target).tolist() == prompts.tolist()
+
+
+def test_common_prefix_lengths_is_the_shared_prompt_head():
+    ids = torch.tensor([[5, 6, 7, 8, 9, 0], [5, 6, 7, 3, 9, 9], [5, 6, 4, 4, 4, 4]])
+    attn = (ids != 0).long()
+    target = torch.tensor([[0, 0, 0, 1, 0], [0, 0, 0, 0, 1], [0, 0, 0, 1, 1]])
+    # first targets predict x[4], x[5], x[4]: prompts of 4, 5, 4 ids; rows share [5, 6]
+    assert common_prefix_lengths(ids, attn, target).tolist() == [2, 2, 2]
+    # identical prompts: the whole shortest prompt is shared, never past a first target
+    assert common_prefix_lengths(ids[:1].repeat(3, 1), attn[:1].repeat(3, 1),
+                                 target[:1].repeat(3, 1)).tolist() == [4, 4, 4]
+    # a row without targets does not constrain the prefix (it is not scored: 0)
+    no_target = target.clone()
+    no_target[2] = 0
+    assert common_prefix_lengths(ids, attn, no_target).tolist() == [3, 3, 0]
+    # one row shares its whole prompt with itself; no target anywhere or nothing shared: 0
+    assert common_prefix_lengths(ids[[0]], attn[[0]], target[[0]]).tolist() == [4]
+    assert common_prefix_lengths(ids, attn, target * 0).tolist() == [0, 0, 0]
+    other = ids.clone()
+    other[1, 0] = 99
+    assert common_prefix_lengths(other, attn, target).tolist() == [0, 0, 0]
+
+
+def test_common_prefix_scoring_of_different_prompts_equals_the_unshared_path(model):
+    """Rows of different prompts that share a head (one system message, other tasks): forwarding
+    the head once gives the unshared values and LoRA gradients."""
+    ids, mask, target, _ = grouped_rows(seed=6)
+    ids[:, :4] = torch.tensor([11, 12, 13, 14])  # every prompt opens with the same 4 ids
+    p = common_prefix_lengths(ids, mask, target)
+    assert p.tolist() == [4] * ids.shape[0]
+    w = torch.randn(target.shape, generator=torch.Generator().manual_seed(8))
+    params = trainable(model)
+    want_lp = sequence_logprobs(model, ids, mask, target)
+    got_lp = shared_prefix_logprobs(model, ids, mask, target, prefix_len_B=p)
+    torch.testing.assert_close(got_lp, want_lp, rtol=1e-5, atol=1e-5)
+    want = torch.autograd.grad((want_lp * w).sum(), params)
+    got = torch.autograd.grad((got_lp * w).sum(), params)
+    for g_want, g_got in zip(want, got, strict=True):
+        scale = float(g_want.abs().max())
+        torch.testing.assert_close(g_got, g_want, rtol=1e-5, atol=1e-5 * scale)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])

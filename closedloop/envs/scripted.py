@@ -10,9 +10,11 @@ agent's previous action texts) is given, ``len(history)`` is the step index inst
 - ``ExpertPolicy(bundle)``: plays the task's gold actions, then ``finish``.
 - ``NoisyExpertPolicy(bundle, error_rate, seed)``: before each gold tool action, with
   probability ``error_rate``, makes one mistake and recovers: a malformed call (then the right
-  one), a wrong path (then the right one), or a wrong edit (the edit with a stray ``~``, then the
-  ``check`` run that shows it, then the corrective edit). The plan is cut at the step budget, so
-  many errors can make it fail; at ``error_rate=0.2`` it usually solves.
+  one), a wrong path (then the right one), a ``replace`` whose ``old`` text is not in the file
+  (the ``new`` text in its place, the commonest slip of a model copying an edit; the tool's
+  ``not_found`` error, then the right one), or a wrong edit (the edit with a stray ``~``, then
+  the ``check`` run that shows it, then the corrective edit). The plan is cut at the step
+  budget, so many errors can make it fail; at ``error_rate=0.2`` it usually solves.
 - ``RandomPolicy(seed)``: uniformly random tool calls with random arguments (and ``finish``);
   it almost never solves.
 
@@ -23,7 +25,7 @@ exported final state.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -88,6 +90,18 @@ def _corrupt(text: str) -> str:
     return f"{first}{CORRUPTION}{nl}{rest}"
 
 
+def _wrong_old(action: Action, files: Mapping[str, str]) -> Action:
+    """A ``replace`` whose ``old`` does not occur in the file: its ``new`` text (old and new
+    swapped), or, when that occurs, ``old`` with one character dropped (``~`` appended if even
+    that occurs), so the tool answers ``not_found`` and nothing changes."""
+    args = action.args
+    old, new = str(args["old"]), str(args["new"])
+    text = files.get(str(args["path"]), "")
+    candidates = (new, old[: len(old) // 2] + old[len(old) // 2 + 1:], old + CORRUPTION)
+    wrong = next(c for c in candidates if c and c != old and c not in text)
+    return Action.tool("replace", **{**args, "old": wrong})
+
+
 def _wrong_edit(action: Action) -> tuple[Action, Action]:
     """Return (wrong edit, corrective edit) for a ``replace`` or ``write_file`` action."""
     args = action.args
@@ -109,6 +123,8 @@ def noisy_plan(bundle: TaskBundle, error_rate: float, seed: int) -> list[str]:
             kinds = ["malformed"]
             if "path" in action.args and action.name in ("read_file", "replace"):
                 kinds.append("wrong_path")
+            if action.name == "replace":
+                kinds.append("wrong_old")
             if action.name in ("replace", "write_file"):
                 kinds.append("wrong_edit")
             kind = rng.choice(kinds)
@@ -116,6 +132,8 @@ def noisy_plan(bundle: TaskBundle, error_rate: float, seed: int) -> list[str]:
                 plan.append(_malformed(action, rng))
             elif kind == "wrong_path":
                 plan.append(_wrong_path(action).model_text())
+            elif kind == "wrong_old":
+                plan.append(_wrong_old(action, bundle.spec.initial_files).model_text())
             else:
                 wrong, fix = _wrong_edit(action)
                 plan.append(wrong.model_text())

@@ -104,6 +104,33 @@ def test_noisy_plan_wrong_edit_is_followed_by_check_and_fix() -> None:
     assert all(len(p) <= bundle.spec.step_budget for p in plans)
 
 
+def test_noisy_plan_wrong_old_fails_cleanly_then_the_right_replace_follows(
+        env: TerminalRepairEnv) -> None:
+    sets = default_task_sets()
+    seen = 0
+    for bundle in sets.train + sets.heldout:
+        gold = [a for a in bundle.grader.gold_actions if a.name == "replace"]
+        for seed in range(12):
+            plan = noisy_plan(bundle, 1.0, seed)
+            for k, text in enumerate(plan[:-1]):
+                try:
+                    call = parse_action(text)
+                except Exception:
+                    continue
+                if (call.name != "replace" or call in gold or "~" in json.dumps(call.args)
+                        or call.args.get("path") not in bundle.spec.initial_files):
+                    continue  # not a wrong_old slip (a right call, a wrong edit or path)
+                assert parse_action(plan[k + 1]) in gold  # the right replace comes next
+                assert call.args["old"] not in bundle.spec.initial_files[call.args["path"]]
+                env.reset(bundle.spec.task_id, 0)
+                before = decode_state(env.export_state()).files
+                transition = env.step(text)
+                assert transition.error is not None and "not_found" in transition.observation
+                assert decode_state(env.export_state()).files == before  # nothing changed
+                seen += 1
+    assert seen >= 10, "wrong_old was never drawn"
+
+
 def test_noisy_expert_at_zero_error_rate_is_the_expert() -> None:
     bundle = get_bundle(default_task_sets().heldout[0].spec.task_id)
     assert NoisyExpertPolicy(bundle, 0.0, seed=5).plan == ExpertPolicy(bundle).plan

@@ -52,24 +52,30 @@ class ChatMessage(NamedTuple):
 
 @dataclass(frozen=True)
 class ChatMLToolTemplate:
-    """The ChatML tool format (module doc). Fields are the literal strings, hashed whole."""
+    """The ChatML tool format (module doc). Fields are the literal strings, hashed whole.
 
-    name: str = "chatml-tools-v1"
+    The tools block lists one tool per line as a signature, ``- name(a, b: integer): what it
+    does`` (a parameter's type is shown unless it is ``string``); a schema whose ``parameters``
+    is not such a flat name -> type mapping is shown as its canonical JSON instead. On the
+    terminal tools the block is about half as long as their JSON schemas (~120 ids fewer in
+    every prompt).
+    """
+
+    name: str = "chatml-tools-v2"
     im_start: str = "<|im_start|>"
     im_end: str = "<|im_end|>"
     observation_role: str = "user"
     observation_open: str = "<tool_response>\n"
     observation_close: str = "\n</tool_response>"
     tools_intro: str = (
-        "# Tools\n\nYou may call one tool per turn. The tools are described by JSON schemas "
-        "inside <tools></tools>:\n<tools>\n{tools}\n</tools>\n\nTo act, reply with one call: "
-        '<tool_call>{{"name": <tool name>, "arguments": <JSON object>}}</tool_call>\n'
-        'When the task is done, call {{"name": "finish"}}.'
+        "# Tools\n\nCall one tool per turn, as "
+        '<tool_call>{{"name": <tool name>, "arguments": <JSON object>}}</tool_call>:\n'
+        "{tools}\nWhen the task is done, call finish."
     )
 
     def system_content(self, system_prompt: str, tool_schemas: Sequence[ToolSchema]) -> str:
         """Return the system message: the prompt, a blank line, the tools block."""
-        tools = "\n".join(canonical_json(s) for s in tool_schemas)
+        tools = "\n".join(tool_line(s) for s in tool_schemas)
         return f"{system_prompt}\n\n{self.tools_intro.format(tools=tools)}"
 
     def message_text(self, message: ChatMessage) -> str:
@@ -105,6 +111,18 @@ class ChatMLToolTemplate:
     def template_hash(self) -> str:
         """Return the content hash of the template (its class and every literal string)."""
         return content_hash({"class": type(self).__name__, **asdict(self)})
+
+
+def tool_line(schema: ToolSchema) -> str:
+    """One tool of the tools block: ``- name(params): description`` (``ChatMLToolTemplate``)."""
+    params = schema.get("parameters", {})
+    if not isinstance(params, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in params.items()):
+        return f"- {canonical_json(schema)}"
+    args = ", ".join(k if v == "string" else f"{k}: {v}" for k, v in params.items())
+    description = schema.get("description")
+    tail = f": {description}" if isinstance(description, str) and description else ""
+    return f"- {schema['name']}({args}){tail}"
 
 
 CHATML_TOOLS = ChatMLToolTemplate()

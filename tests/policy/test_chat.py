@@ -20,12 +20,24 @@ def test_prompt_and_observation_delta_text(renderer, tokenizer):
     text = tokenizer.decode(prompt)
     assert prompt[0] == renderer.im_start_id
     assert text.endswith("<|im_start|>user\nFix config.json.<|im_end|>\n<|im_start|>assistant\n")
-    assert '"name":"read_file"' in text and "<tools>" in text
+    assert '\n- {"description":"Read a file.","name":"read_file"' in text  # full JSON schema
     delta = tokenizer.decode(renderer.render_observation("ok"))
     assert delta == ("<|im_end|>\n<|im_start|>user\n<tool_response>\nok\n</tool_response>"
                      "<|im_end|>\n<|im_start|>assistant\n")
     closed = tokenizer.decode(renderer.render_observation("ok", turn_closed=True))
     assert closed == delta[len("<|im_end|>"):]
+
+
+def test_tools_block_lists_signatures_and_keeps_other_schemas_whole():
+    from closedloop.policy.chat import tool_line
+
+    assert tool_line({"name": "replace", "description": "Edit.", "parameters": {
+        "path": "string", "old": "string", "count": "integer"}}) == (
+        "- replace(path, old, count: integer): Edit.")
+    assert tool_line({"name": "finish", "parameters": {}}) == "- finish()"
+    nested = {"name": "search", "parameters": {"type": "object", "properties": {"q": {}}}}
+    assert tool_line(nested) == '- {"name":"search","parameters":{"properties":{"q":{}},' \
+        '"type":"object"}}'
 
 
 def test_stops_and_action_text(renderer, tokenizer):

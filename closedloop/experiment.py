@@ -37,7 +37,8 @@ SUITES = ("heldout", "family")
 """``heldout``: the template-disjoint suite; ``family``: families absent from training."""
 FAMILY_ARMS = ("frozen", "rloo")
 """The arms evaluated on the family-disjoint suite: its claim is RL final − frozen start; the
-controls (shuffled, sft_only) answer the template-disjoint claim and skip it."""
+controls (shuffled, sft_only) answer the template-disjoint claim and skip it (and the retain
+suites' final evaluation, whose delta is the RL arm's too)."""
 
 
 def _copy_cold_start(cold: Path, arm: Path) -> None:
@@ -125,7 +126,8 @@ def run_experiment(cfg: RunConfig, exp_dir: str | Path,
             if control != "none":
                 arm_cfg = replace(arm_cfg, evaluation=replace(arm_cfg.evaluation,
                                                               curve_points=2))
-            train(arm_cfg, arms[name], config_override, final_family=name in FAMILY_ARMS)
+            train(arm_cfg, arms[name], config_override, final_family=name in FAMILY_ARMS,
+                  final_retain=name == "rloo")
     tokens = _trained_tokens(arms["rloo"])
     _copy_cold_start(arms["frozen"], arms["sft_only"])
     log(f"experiment: arm sft_only, matched to {tokens} RL action tokens")

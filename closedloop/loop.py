@@ -60,12 +60,13 @@ def evaluate_curve_point(run: TrainingRun, step: int) -> None:
         run.evaluate(f"step-{step:04d}", run.registry.manifest(version_name(step)))
 
 
-def train(cfg: RunConfig, run_dir: str | Path,
-          config_override: str | None = None, final_family: bool = True) -> dict[str, Any]:
+def train(cfg: RunConfig, run_dir: str | Path, config_override: str | None = None,
+          final_family: bool = True, final_retain: bool = True) -> dict[str, Any]:
     """Run (or resume) a whole experiment and return its summary (``config_override``: the
-    declared reason for a config that differs from the run directory's). ``final_family``
-    False skips the final policy's family-disjoint evaluation (an experiment's control arm:
-    the family-disjoint claim is the RL arm's)."""
+    declared reason for a config that differs from the run directory's). ``final_family`` /
+    ``final_retain`` False skip the final policy's family-disjoint / retain evaluations (an
+    experiment's control arm: those claims are the RL arm's); the summary's ``retain_delta``
+    is then None."""
     run = TrainingRun(cfg, run_dir, config_override)
     try:
         if cfg.sft.enabled:
@@ -92,9 +93,11 @@ def train(cfg: RunConfig, run_dir: str | Path,
         final = run.evaluate("final", run.registry.manifest(final_version))
         if cfg.evaluation.environment_family_disjoint and final_family:
             run.evaluate("final", run.registry.manifest(final_version), suite="family")
-        retain_final = run.evaluate_retain("final", run.registry.manifest(final_version))
-        retain = retain_delta(retain_start, retain_final, seed=cfg.training.seed).to_dict()
-        run.log_metrics("retain", retain)
+        retain = None
+        if final_retain:
+            retain_final = run.evaluate_retain("final", run.registry.manifest(final_version))
+            retain = retain_delta(retain_start, retain_final, seed=cfg.training.seed).to_dict()
+            run.log_metrics("retain", retain)
         summary = summarize_run(run, start, final, steps)
         summary["retain_delta"] = retain
         path = write_summary(run, summary)

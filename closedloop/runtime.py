@@ -88,6 +88,7 @@ class CollectorParts:
     writer: TraceWriter | None
     max_turns: int
     package: EnvPackage | None = None
+    sampling_salt: int | None = None  # per-episode sampling streams (CollectorConfig)
 
 
 def make_collector(source: ActionSource, manifest: PolicyManifest, parts: CollectorParts,
@@ -100,7 +101,8 @@ def make_collector(source: ActionSource, manifest: PolicyManifest, parts: Collec
     package = parts.package or terminal_package()
     return Collector(source, parts.renderer, env_factory or package.make_env, parts.verifier,
                      package.family_split, manifest, parts.run_id, parts.writer,
-                     CollectorConfig(max_turns=parts.max_turns))
+                     CollectorConfig(max_turns=parts.max_turns,
+                                     sampling_salt=parts.sampling_salt))
 
 
 _GENERIC_ENV_KEYS = frozenset({

@@ -67,6 +67,7 @@ class _Session:
     ids: list[int]
     kv: KV | None = None
     n_cached: int = 0
+    rng: torch.Generator | None = None  # the session's own sampling stream, if opened with one
 
 
 @dataclass
@@ -161,21 +162,34 @@ class HFGenerator:
             s.kv, s.n_cached = None, 0
 
     # -- sessions ---------------------------------------------------------------------------
-    def open_sessions(self, prompts: Sequence[Sequence[int]]) -> list[SessionId]:
-        """Open one session per prompt (token ids); return their ids."""
+    def open_sessions(self, prompts: Sequence[Sequence[int]],
+                      streams: Sequence[int] | None = None) -> list[SessionId]:
+        """Open one session per prompt (token ids); return their ids.
+
+        ``streams`` gives each session its own sampling stream, a generator seeded with that
+        integer: every id it samples then draws its uniform from that stream, in order, whatever
+        other sessions share its batches (sessions opened with the same stream on policies that
+        agree sample the same ids: common random numbers for paired comparisons). A batch must
+        hold only sessions with streams or only sessions without (these share ``generator``).
+        """
+        if streams is not None and len(streams) != len(prompts):
+            raise GenerationError(f"{len(streams)} streams for {len(prompts)} prompts")
         out = []
-        for prompt in prompts:
+        for i, prompt in enumerate(prompts):
             ids = self._checked_ids(prompt)
             if not ids:
                 raise GenerationError("a session needs a non-empty prompt")
             sid = next(self._next_id)
-            self._sessions[sid] = _Session(ids)
+            rng = None
+            if streams is not None:
+                rng = torch.Generator().manual_seed(int(streams[i]) % 2**63)
+            self._sessions[sid] = _Session(ids, rng=rng)
             out.append(sid)
         return out
 
-    def open_session(self, prompt: Sequence[int]) -> SessionId:
-        """Open one session (``open_sessions([prompt])[0]``)."""
-        return self.open_sessions([prompt])[0]
+    def open_session(self, prompt: Sequence[int], stream: int | None = None) -> SessionId:
+        """Open one session (``open_sessions([prompt], [stream])[0]``)."""
+        return self.open_sessions([prompt], None if stream is None else [stream])[0]
 
     def extend(self, session: SessionId, ids: Sequence[int]) -> None:
         """Append ids (an observation delta) to a session's context; they prefill next turn."""
@@ -185,7 +199,11 @@ class HFGenerator:
         """Open a copy of a session sharing its (immutable) KV cache; for branching."""
         src = self._session(session)
         sid = next(self._next_id)
-        self._sessions[sid] = _Session(list(src.ids), src.kv, src.n_cached)
+        rng = None
+        if src.rng is not None:  # the copy continues from the same point of the stream
+            rng = torch.Generator()
+            rng.set_state(src.rng.get_state())
+        self._sessions[sid] = _Session(list(src.ids), src.kv, src.n_cached, rng)
         return sid
 
     def context(self, session: SessionId) -> list[int]:
@@ -218,12 +236,17 @@ class HFGenerator:
         """Generate one action for every session, stepping them together (module doc).
 
         ``stop_sequences``/``generator`` default to the constructor's (``</tool_call>``,
-        ``self.rng``). Returns one ``Generation`` per session, in order; each session's
-        context then ends with its action ids.
+        ``self.rng``); sessions opened with streams sample from their own (``open_sessions``).
+        Returns one ``Generation`` per session, in order; each session's context then ends with
+        its action ids.
         """
         stop_sequences = self.stop_sequences if stop_sequences is None else stop_sequences
         generator = self.rng if generator is None else generator
         states = self._batch_states(sessions, max_new_tokens)
+        own = [st.rng for st in states]
+        if any(g is not None for g in own) and not all(g is not None for g in own):
+            raise GenerationError("a batch mixes sessions with and without their own sampling "
+                                  "streams")
         matcher = StopMatcher(self.tokenizer, stop_sequences, self.stop_token_ids)
         t0 = time.perf_counter()
         logits_B_V, cache, mask_B_L, pos_B = self._prefill(states, max_new_tokens)
@@ -231,7 +254,8 @@ class HFGenerator:
         rows = [_Row(s) for s in sessions]
         live = list(range(len(rows)))
         for _ in range(max_new_tokens):
-            step = sample_step(logits_B_V, sampler, generator)
+            rows_rng = [own[r] for r in live] if own[0] is not None else generator
+            step = sample_step(logits_B_V, sampler, rows_rng)  # type: ignore[arg-type]
             picked = (step.ids_B.tolist(), step.behavior_logprobs_B.tolist(),
                       step.raw_logprobs_B.tolist())
             for j, r in enumerate(live):

@@ -21,6 +21,7 @@ of the same token is ``log_softmax(z)[id]`` (temperature 1, no truncation).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -67,31 +68,50 @@ def _top_p_mask(scores_B_V: torch.Tensor, top_p: float) -> torch.Tensor:
     return scores_B_V.masked_fill(drop_B_V, NEG_INF)
 
 
-def sample(logprobs_B_V: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+RowGenerators = torch.Generator | Sequence[torch.Generator] | None
+"""One generator for the whole batch (``None``: torch's default), or one per row."""
+
+
+def uniforms(n: int, generator: RowGenerators, device: torch.device | None = None
+             ) -> torch.Tensor:
+    """``[n, 1]`` float64 draws from U[0, 1): ``n`` from one generator, or one from each of
+    ``n`` per-row generators (row ``b``'s draw then depends only on its own generator's state,
+    not on which other rows share the batch)."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.rand((n, 1), generator=generator, dtype=torch.float64, device=device)
+    if len(generator) != n:
+        raise ValueError(f"{len(generator)} row generators for {n} rows")
+    return torch.cat([torch.rand((1, 1), generator=g, dtype=torch.float64, device=device)
+                      for g in generator])
+
+
+def sample(logprobs_B_V: torch.Tensor, generator: RowGenerators = None) -> torch.Tensor:
     """Draw one id per row from ``exp(logprobs_B_V)`` by inverting its CDF; return ``ids_B``.
 
     ``c_i = sum_{j <= i} exp(logprobs_j - max)`` in float64; with ``u ~ U[0, 1)`` (one float64
-    draw per row from ``generator``) and ``x = min(u * c_V, c_V^-)`` (``c_V^-``: the float just
-    below the total), the id is the first ``i`` with ``c_i > x``. Token ``i`` owns the interval
-    ``[c_{i-1}, c_i)``, of width its probability; a ``-inf`` entry adds exactly 0, so its
-    interval is empty and it can never be drawn. The running sum is float64 so that a token down
-    to ~1e-16 of its row's mass keeps its own interval (a float32 sum would round away every step
-    below ~6e-8 of the total).
+    draw per row from ``generator``, or from row ``b``'s own generator: ``uniforms``) and
+    ``x = min(u * c_V, c_V^-)`` (``c_V^-``: the float just below the total), the id is the
+    first ``i`` with ``c_i > x``. Token ``i`` owns the interval ``[c_{i-1}, c_i)``, of width its
+    probability; a ``-inf`` entry adds exactly 0, so its interval is empty and it can never be
+    drawn. The running sum is float64 so that a token down to ~1e-16 of its row's mass keeps its
+    own interval (a float32 sum would round away every step below ~6e-8 of the total). Two
+    distributions inverted at the same ``u`` give different ids only when ``u`` falls between
+    their CDFs at some id: with probability at most ``Σ_i |F(i) − G(i)|``, which vanishes as the
+    distributions approach each other (the coupling that paired sampling streams rely on).
     """
     lp = logprobs_B_V.float() if logprobs_B_V.dtype in (torch.float16, torch.bfloat16) \
         else logprobs_B_V
     top_B_1 = lp.max(dim=-1, keepdim=True).values
     cdf_B_V = (lp - top_B_1).exp_().to(torch.float64).cumsum_(dim=-1)
     total_B_1 = cdf_B_V[:, -1:]
-    u_B_1 = torch.rand(total_B_1.shape, generator=generator, dtype=torch.float64,
-                       device=lp.device)
+    u_B_1 = uniforms(lp.shape[0], generator, lp.device)
     x_B_1 = torch.minimum(u_B_1.mul_(total_B_1),
                           torch.nextafter(total_B_1, torch.zeros_like(total_B_1)))
     return torch.searchsorted(cdf_B_V, x_B_1, right=True).squeeze(-1)
 
 
 def sample_step(logits_B_V: torch.Tensor, sampler: SamplerConfig,
-                generator: torch.Generator | None = None) -> SampleResult:
+                generator: RowGenerators = None) -> SampleResult:
     """Transform, sample and return ids with behaviour and raw log-probs (all ``[B]``)."""
     logprobs_B_V = transform_logits(logits_B_V, sampler)
     ids_B = logprobs_B_V.argmax(dim=-1) if sampler.greedy else sample(logprobs_B_V, generator)

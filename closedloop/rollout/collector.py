@@ -39,6 +39,7 @@ from closedloop.contracts import (
     TraceWriter,
     TrajectoryRecord,
     TurnRecord,
+    content_hash,
     parse_action,
 )
 from closedloop.contracts.records import ActionKindOrInvalid
@@ -77,11 +78,24 @@ class CollectorConfig:
 
     max_turns: a turn limit; reaching it before the task's own step budget ends the episode
     with ``max_step_truncation`` (censored). deadline_s: wall-clock budget for one call;
-    episodes still live then end with ``scheduler_cancel``.
+    episodes still live then end with ``scheduler_cancel``. sampling_salt: when set, every
+    episode samples from its own random stream, ``episode_stream(salt, task, seed, index)``:
+    two policies collecting the same (task, seed, sibling) draw the same uniforms, so where
+    they agree they sample the same tokens (common random numbers: paired evaluations of two
+    checkpoints differ where the policies differ, not where the dice did).
     """
 
     max_turns: int = 8
     deadline_s: float | None = None
+    sampling_salt: int | None = None
+
+
+def episode_stream(salt: int, task_id: str, seed: int, sample_index: int) -> int:
+    """The seed of one episode's sampling stream: 63 bits of the content hash of
+    ``[salt, task_id, seed, sample_index]`` (independent of the policy, the group id and the
+    batch the episode is collected in)."""
+    return int(content_hash([salt, task_id, seed, sample_index]).split(":", 1)[1][:16], 16) \
+        % 2**63
 
 
 @dataclass(frozen=True)
@@ -214,7 +228,10 @@ class Collector:
                     f"sibling {key} reset to {base.snapshot_id}, lease says "
                     f"{lease.base_snapshot_id}")
             ep.prompt_ids = self.renderer.render_prompt(observation)
-            self.source.open(key, lease.task_id, ep.prompt_ids, observation)
+            salt = self.config.sampling_salt
+            stream = None if salt is None else episode_stream(salt, lease.task_id, lease.seed,
+                                                              index)
+            self.source.open(key, lease.task_id, ep.prompt_ids, observation, stream)
         except INFRA_FAILURES:
             ep.timings["infra_error"] = 1.0
             ep.termination = Termination.INFRA_ABORT

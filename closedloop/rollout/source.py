@@ -38,8 +38,10 @@ class ActionSource(Protocol):
 
     build: str
 
-    def open(self, key: str, task_id: str, prompt_ids: list[int], observation: str) -> None:
-        """Start an episode whose context is ``prompt_ids``."""
+    def open(self, key: str, task_id: str, prompt_ids: list[int], observation: str,
+             stream: int | None = None) -> None:
+        """Start an episode whose context is ``prompt_ids``; ``stream`` (when given) seeds the
+        episode's own sampling stream (a source without randomness ignores it)."""
         ...
 
     def extend(self, key: str, observation: str, observation_ids: list[int]) -> None:
@@ -81,8 +83,10 @@ class ScriptedSource:
         self._policies: dict[str, ScriptedPolicyLike] = {}
         self._last_obs: dict[str, str] = {}
 
-    def open(self, key: str, task_id: str, prompt_ids: list[int], observation: str) -> None:
-        """Create the episode's policy (``make_policy(task_id, key)``)."""
+    def open(self, key: str, task_id: str, prompt_ids: list[int], observation: str,
+             stream: int | None = None) -> None:
+        """Create the episode's policy (``make_policy(task_id, key)``; ``stream`` unused: the
+        policy's randomness is its own seed)."""
         self._policies[key] = self._make_policy(task_id, key)
         self._last_obs[key] = observation
 
@@ -109,8 +113,9 @@ class ScriptedSource:
 class BatchGenerator(Protocol):
     """The stateful batched generator API of ``closedloop.policy`` (KV reuse per session)."""
 
-    def open_session(self, prompt_ids: list[int]) -> Any:
-        """Start a session whose context is ``prompt_ids``."""
+    def open_session(self, prompt_ids: list[int], stream: int | None = None) -> Any:
+        """Start a session whose context is ``prompt_ids`` (``stream``: its own sampling
+        stream's seed)."""
         ...
 
     def extend(self, session: Any, ids: list[int]) -> None:
@@ -140,9 +145,11 @@ class GeneratorSource:
         self._max_new = max_new_tokens
         self._sessions: dict[str, Any] = {}
 
-    def open(self, key: str, task_id: str, prompt_ids: list[int], observation: str) -> None:
-        """Open a generator session on the rendered prompt."""
-        self._sessions[key] = self._gen.open_session(list(prompt_ids))
+    def open(self, key: str, task_id: str, prompt_ids: list[int], observation: str,
+             stream: int | None = None) -> None:
+        """Open a generator session on the rendered prompt (with its own sampling stream when
+        ``stream`` is given)."""
+        self._sessions[key] = self._gen.open_session(list(prompt_ids), stream)
 
     def extend(self, key: str, observation: str, observation_ids: list[int]) -> None:
         """Append the observation delta; only these ids are prefilled next time."""

@@ -90,13 +90,15 @@ class RunEvaluation(RunPolicy):
         return self.package.retain_tasks(suites)
 
     def audit_frozen(self, label: str, manifest: PolicyManifest) -> AuditResult:
-        """Generator vs trainer log-probs at the frozen checkpoint that sampled eval ``label``.
+        """Generator vs trainer log-probs at the frozen checkpoint that sampled eval ``label``
+        (its first ``consistency.audit_episodes`` episodes).
 
         Raises ``ConsistencyGateError`` when the declared tolerance is exceeded: the strict
         synchronous objective is only valid when the two paths agree.
         """
         _, episodes = load_episodes(self.dir / "traces" / f"eval-{label}.jsonl")
         c = self.cfg.consistency
+        episodes = episodes[:c.audit_episodes]
         bounds = audit_tolerances(c.tolerance_source, c.max_abs_tolerance, self.model, episodes,
                                   pad_id=self.pad_id, sampler=manifest.sampler,
                                   precision=self.cfg.training.precision)

@@ -98,7 +98,8 @@ class RunPolicy(RunState):
         partial.unlink(missing_ok=True)
         with TraceWriter(partial) as writer:
             parts = CollectorParts(self.renderer, self.verifier, self.run_id, writer,
-                                   self.cfg.environment.max_turns, self.package)
+                                   self.cfg.environment.max_turns, self.package,
+                                   sampling_salt=self.cfg.training.seed)
             collector = make_collector(source, manifest, parts)
             leases = [collector.make_lease(gid, task, seed, size)
                       for gid, task, seed, size in groups]

@@ -7,6 +7,7 @@ import os
 import platform
 import random
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import torch
 
 from closedloop.config import RunConfig
 from closedloop.contracts.metrics_log import MetricsLog
+from closedloop.envs.plugin import TaskSetRequest
 from closedloop.errors import EnvPackageError
 from closedloop.policy import check_append_only, load_model
 from closedloop.policy.registry import PolicyRegistry
@@ -117,14 +119,30 @@ class TrainingRun(RunRLStep, RunEvaluation, RunWarmStart):
                                   "family-disjoint suite; set evaluation."
                                   "environment_family_disjoint: false")
         self.family_tasks = list(sets.suites.get("family", ()))
+        self.demo_tasks = self._demo_tasks(request)
         self._write_json("tasks.json", {
             "env_id": self.package.env_id, "train": self.train_tasks,
             "heldout": self.heldout_tasks, "family": self.family_tasks,
-            "discarded": list(sets.discarded), **sets.audit})
+            "demo": self.demo_tasks, "discarded": list(sets.discarded), **sets.audit})
         log(f"tasks: {len(self.train_tasks)} train / {len(self.heldout_tasks)} held-out "
             f"(template-disjoint) / {len(self.family_tasks)} family-disjoint "
             f"of {self.package.env_id}, {len(sets.discarded)} discarded by the solvability "
-            "filter")
+            f"filter; demonstrations on {len(self.demo_tasks)} other train-template tasks")
+
+    def _demo_tasks(self, request: TaskSetRequest) -> list[str]:
+        """The tasks the noisy expert demonstrates: other instances of the train templates (the
+        package's train set at ``task_seed + 1``, less every train and evaluation task), so the
+        warm start teaches the templates without memorizing the tasks RL then trains on and the
+        cold start's train success measures the policy, not recall. A package that has no other
+        instances leaves the train tasks themselves (logged)."""
+        other = self.package.task_sets(replace(request, seed=request.seed + 1, family_tasks=0))
+        taken = {*self.train_tasks, *self.heldout_tasks, *self.family_tasks}
+        demo = [t for t in other.train if t not in taken]
+        if not demo:
+            log("demonstrations: the package has no train-template tasks besides the run's; "
+                "the warm start demonstrates the train tasks")
+            return list(self.train_tasks)
+        return demo
 
     def _load_policy(self) -> None:
         cfg = self.cfg

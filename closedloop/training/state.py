@@ -39,6 +39,7 @@ class RunState:
     train_tasks: list[str]
     heldout_tasks: list[str]
     family_tasks: list[str]
+    demo_tasks: list[str]  # what the noisy expert demonstrates (never a train or eval task)
     loaded: LoadedModel
     tokenizer: Any
     model: Any  # the base, then base + SFT merged, then wrapped with the RL adapter

@@ -80,7 +80,8 @@ class RunWarmStart(RunPolicy):
 
     def collect_demonstrations(self, n: int, offset: int = 0,
                                name: str = "sft-demos") -> list[Episode]:
-        """Noisy-expert episodes on train tasks, through the same collector and renderer."""
+        """Noisy-expert episodes on the demonstration tasks (other instances of the train
+        templates, ``TrainingRun._demo_tasks``), through the same collector and renderer."""
         rate, seed = self.cfg.sft.noise_rate, self.cfg.training.seed
 
         def make_policy(task_id: str, key: str) -> ScriptedPolicyLike:
@@ -89,7 +90,7 @@ class RunWarmStart(RunPolicy):
 
         source = ScriptedSource(make_policy, self.renderer.encode, build="scripted-noisy")
         manifest = self.manifest_for("scripted", demo=True)
-        tasks = [self.train_tasks[i % len(self.train_tasks)] for i in range(n)]
+        tasks = [self.demo_tasks[i % len(self.demo_tasks)] for i in range(n)]
         path = self.dir / "traces" / f"{name}.jsonl"
         path.unlink(missing_ok=True)
         groups = self._collect(source, manifest, path, [

@@ -274,3 +274,43 @@ def test_protocol_seed_fork_refresh_and_errors(tiny_model, tokenizer, renderer):
         small.generate_batch([ok], GREEDY, max_new_tokens=4)
     assert err.value.sessions == [ok]
     assert len(small.generate_batch([ok], GREEDY, max_new_tokens=3)[0].action_token_ids) == 3
+
+
+# ---------------------------------------------------------------- paired sampling streams
+def stream_episode(gen, renderer, task, stream, companions=(), turns=3):
+    """The action ids of one session opened with ``stream`` over ``turns`` turns, sampled in
+    batches with ``companions`` (other tasks, their own streams)."""
+    prompts = [renderer.render_prompt(t) for t in (task, *companions)]
+    sids = gen.open_sessions(prompts, [stream, *(100 + i for i in range(len(companions)))])
+    ids = []
+    for turn in range(turns):
+        outs = gen.generate_batch(sids, NUCLEUS, renderer.stop_sequences, 10)
+        ids.append(outs[0].action_token_ids)
+        for sid, g in zip(sids, outs, strict=True):
+            gen.extend(sid, renderer.render_observation(
+                f"obs {turn}", turn_closed=renderer.turn_closed(g.action_token_ids)))
+    return ids
+
+
+def test_a_streamed_session_samples_the_same_whatever_its_batch(tiny_model, tokenizer,
+                                                                renderer):
+    alone = stream_episode(HFGenerator(tiny_model, tokenizer), renderer, "Repair a.json", 7)
+    crowded = stream_episode(HFGenerator(tiny_model, tokenizer, seed=99), renderer,
+                             "Repair a.json", 7, companions=("b", "a longer task " * 5))
+    assert alone == crowded  # neither the batch nor the generator's own rng matter
+    other = stream_episode(HFGenerator(tiny_model, tokenizer), renderer, "Repair a.json", 8)
+    assert other != alone  # another stream samples otherwise
+
+
+def test_a_batch_cannot_mix_streamed_and_shared_sessions(tiny_model, tokenizer, renderer):
+    gen = HFGenerator(tiny_model, tokenizer)
+    prompt = renderer.render_prompt("Repair a.json")
+    streamed = gen.open_session(prompt, stream=3)
+    shared = gen.open_session(prompt)
+    with pytest.raises(GenerationError):
+        gen.generate_batch([streamed, shared], NUCLEUS, max_new_tokens=2)
+    with pytest.raises(GenerationError):
+        gen.open_sessions([prompt, prompt], [1])
+    twin = gen.fork(streamed)  # a fork continues the same stream
+    a, b = gen.generate_batch([streamed, twin], NUCLEUS, max_new_tokens=6)
+    assert a.action_token_ids == b.action_token_ids

@@ -78,7 +78,8 @@ class SampledSource:
         self.succeed = succeed
         self.plans: dict[str, list[str]] = {}
 
-    def open(self, key: str, task_id: str, prompt_ids: list[int], observation: str) -> None:
+    def open(self, key: str, task_id: str, prompt_ids: list[int], observation: str,
+             stream: int | None = None) -> None:
         plan = ExpertPolicy(get_bundle(task_id)).plan if self.succeed(task_id, key) else []
         self.plans[key] = [*plan] if plan else [Action.finish().canonical_text()]
 

@@ -119,6 +119,32 @@ def test_tiny_model_episodes_are_censored_not_zero(tmp_path, tokenizer, renderer
     load_episodes(trace)
 
 
+def test_sampling_streams_pair_episodes_by_task_seed_and_sibling(tokenizer, renderer):
+    """With a sampling salt, an episode's tokens depend on (salt, task, seed, sibling) only:
+    not on its group id, its batch companions or the generator's own rng."""
+    model = build_tiny_model(tokenizer, seed=0)
+    checksum = weights_checksum(model)
+    sampler = SamplerConfig(temperature=0.7)
+    manifest = manifest_for(renderer, checksum, max_action_tokens=5, sampler=sampler)
+    task, other = list_tasks(split="train")[:2]
+
+    def actions(salt, leases, gen_seed=0):
+        gen = HFGenerator(model, tokenizer, weight_checksum=checksum, seed=gen_seed)
+        source = GeneratorSource(gen, renderer.action_text, sampler, 5, "hf-test")
+        collector = make_collector(source, manifest, CollectorParts(
+            renderer, Verifier(), "run-t", None, 2, sampling_salt=salt))
+        groups = collector.collect([collector.make_lease(*lease) for lease in leases])
+        return {(g.lease.task_id, g.lease.seed, ep.trajectory.sample_index):
+                [t.action_token_ids for t in ep.turns] for g in groups for ep in g.episodes}
+
+    first = actions(0, [("eval-start-0", task, 11, 2)])
+    again = actions(0, [("eval-final-0", task, 11, 2), ("x", other, 22, 3)], gen_seed=9)
+    assert all(again[k] == v for k, v in first.items())
+    assert first[(task, 11, 0)] != first[(task, 11, 1)]  # siblings draw their own streams
+    salted = actions(1, [("eval-start-0", task, 11, 2)])
+    assert salted[(task, 11, 0)] != first[(task, 11, 0)]  # another run's salt samples anew
+
+
 def test_context_window_overflow_is_censored_not_cut(tokenizer, renderer):
     model = build_tiny_model(tokenizer, seed=0)
     checksum = weights_checksum(model)

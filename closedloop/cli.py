@@ -263,11 +263,15 @@ def _report_lines(report_json: Path) -> list[str]:
     lines.append(f"zero-variance groups: observed {_fmt(zv['observed_rate'])} "
                  f"({zv['zero_variance']}/{zv['scored_groups']}), predicted "
                  f"{_fmt(zv['predicted_rate'])} (p^G + (1-p)^G)")
-    fam = (rep.get("family_disjoint") or {}).get("comparison") or {}
-    if fam.get("measured"):
-        lo, hi = fam["ci"]
-        lines.append(f"family-disjoint: {fam['what']} = {fam['estimate']:+.3f} "
-                     f"[{lo:+.3f}, {hi:+.3f}] over {fam['tasks']} tasks")
+    family = rep.get("family_disjoint") or {}
+    for key in ("comparison", "control"):
+        fam = family.get(key) or {}
+        if fam.get("measured"):
+            lo, hi = fam["ci"]
+            lines.append(f"family-disjoint: {fam['what']} = {fam['estimate']:+.3f} "
+                         f"[{lo:+.3f}, {hi:+.3f}] over {fam['tasks']} tasks")
+        elif key == "control" and family.get("comparison", {}).get("measured"):
+            lines.append(f"family-disjoint control: not measured ({fam.get('detail')})")
     lines.append(f"claim: {rep['claim']['statement']}")
     return lines
 

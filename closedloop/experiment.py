@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 from closedloop.config import RunConfig
 from closedloop.contracts import load_episodes
+from closedloop.errors import RunStateError
 from closedloop.evaluate.heldout import EvalSummary, summarize_eval
 from closedloop.evaluate.stats import paired_bootstrap_ci
 from closedloop.loop import evaluate_start, train
@@ -35,10 +36,11 @@ SHARED = ("sft/adapter.pt", "sft/result.json", "traces/sft-demos.jsonl",
           "traces/eval-start-train.jsonl", "traces/eval-retain-start.jsonl", "audit.json")
 SUITES = ("heldout", "family")
 """``heldout``: the template-disjoint suite; ``family``: families absent from training."""
-FAMILY_ARMS = ("frozen", "rloo")
-"""The arms evaluated on the family-disjoint suite: its claim is RL final − frozen start; the
-controls (shuffled, sft_only) answer the template-disjoint claim and skip it (and the retain
-suites' final evaluation, whose delta is the RL arm's too)."""
+FAMILY_ARMS = ("frozen", "rloo", "shuffled")
+"""The arms evaluated on the family-disjoint suite: its claim is RL final − frozen start, beside
+the shuffled-reward null on the same suite (a gain the null shares is not the reward's). The
+SFT-only control answers the template-disjoint claim and skips it; the retain suites' final
+evaluation is the RL arm's alone."""
 
 
 def _copy_cold_start(cold: Path, arm: Path) -> None:
@@ -94,6 +96,26 @@ def _sft_only(cfg: RunConfig, arm_dir: Path, tokens: int,
         run.close()
 
 
+def _final_family(cfg: RunConfig, arm_dir: Path, config_override: str | None) -> None:
+    """Evaluate a finished arm's final policy on the family-disjoint suite if it has not been
+    (an experiment directory written before that arm was in ``FAMILY_ARMS``)."""
+    if (arm_dir / "traces" / "eval-final-family.jsonl").is_file():
+        return
+    log(f"experiment: arm {arm_dir.name}, final policy on the family-disjoint suite")
+    run = TrainingRun(cfg, arm_dir, config_override)
+    try:
+        if cfg.sft.enabled:
+            run.warm_start()
+        run.attach_rl_adapter()
+        if not run.resume():
+            raise RunStateError(arm_dir, "the arm's summary exists but no checkpoint resumes",
+                                "delete the arm's directory to train it again")
+        final = run.registry.manifest(version_name(cfg.training.rl_steps))
+        run.evaluate("final", final, suite="family")
+    finally:
+        run.close()
+
+
 def _trained_tokens(run_dir: Path) -> int:
     """Action tokens the RL arm's optimizer steps trained on (from its metrics)."""
     total = 0
@@ -119,15 +141,16 @@ def run_experiment(cfg: RunConfig, exp_dir: str | Path,
     controls: tuple[tuple[str, Literal["none", "shuffle_within_group"]], ...] = (
         ("rloo", "none"), ("shuffled", "shuffle_within_group"))
     for name, control in controls:
+        arm_cfg = replace(cfg, credit=replace(cfg.credit, reward_control=control))
+        if control != "none":
+            arm_cfg = replace(arm_cfg, evaluation=replace(arm_cfg.evaluation, curve_points=2))
         if not (arms[name] / "summary.json").is_file():
             _copy_cold_start(arms["frozen"], arms[name])
             log(f"experiment: arm {name}")
-            arm_cfg = replace(cfg, credit=replace(cfg.credit, reward_control=control))
-            if control != "none":
-                arm_cfg = replace(arm_cfg, evaluation=replace(arm_cfg.evaluation,
-                                                              curve_points=2))
             train(arm_cfg, arms[name], config_override, final_family=name in FAMILY_ARMS,
                   final_retain=name == "rloo")
+        elif name in FAMILY_ARMS and cfg.evaluation.environment_family_disjoint:
+            _final_family(arm_cfg, arms[name], config_override)
     tokens = _trained_tokens(arms["rloo"])
     _copy_cold_start(arms["frozen"], arms["sft_only"])
     log(f"experiment: arm sft_only, matched to {tokens} RL action tokens")

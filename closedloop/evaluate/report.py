@@ -146,21 +146,30 @@ def capability_claim(gates: GateReport, comparison: Mapping[str, Any]) -> dict[s
 
 def _family_disjoint(run: RunDir, seed: int) -> dict[str, Any]:
     """The family-disjoint suite: the RL arm's final minus the frozen arm's start (in an
-    experiment), else the run's final minus its start; its own claim, never pooled with the
-    template-disjoint one."""
+    experiment), else the run's final minus its start; its own comparison, never pooled with the
+    template-disjoint one. In an experiment whose shuffled-reward arm was evaluated on the suite
+    too, ``control`` is that arm's final minus the frozen start: a gain the null shares is not
+    the reward's."""
     final = eval_summary(run, "final-family")
     base = eval_summary(run, "start-family")
     exp = experiment_of(run.path)
     arms = find_arms(exp) if exp is not None else {}
     frozen = next((p for n, p in sorted(arms.items()) if "frozen" in n.lower()), None)
+    shuffled = next((p for n, p in sorted(arms.items()) if "shuffl" in n.lower()), None)
     what = "final - start (family-disjoint)"
     if frozen is not None:
         base = eval_summary(load_run(frozen), "start-family") or base
         what = "RL final - frozen start (family-disjoint)"
     if final is None and base is None:
         return {"measured": False, "what": what, "detail": "no family-disjoint evaluation"}
-    return {"start": _heldout(base), "final": _heldout(final),
-            "comparison": _paired(final, base, seed, what)}
+    out = {"start": _heldout(base), "final": _heldout(final),
+           "comparison": _paired(final, base, seed, what)}
+    null = None if shuffled is None else eval_summary(load_run(shuffled), "final-family")
+    out["control"] = (_paired(null, base, seed, "shuffled final - frozen start "
+                                                 "(family-disjoint)") if null is not None
+                      else {"measured": False, "what": "shuffled-reward control",
+                            "detail": "the shuffled arm was not evaluated on this suite"})
+    return out
 
 
 def _steps(run: RunDir) -> list[dict[str, Any]]:
@@ -404,10 +413,15 @@ def _family_html(fam: Mapping[str, Any]) -> str:
     if fam.get("measured") is False:
         return f"<p>{_fmt(fam.get('detail'))}.</p>"
     c = fam["comparison"]
+    rows = [[c["what"], (fam["start"] or {}).get("pass_at_1"),
+             (fam["final"] or {}).get("pass_at_1"), c.get("estimate"), c.get("ci"),
+             c.get("tasks"), c.get("detail", "")]]
+    k = fam.get("control") or {}
+    if k:
+        rows.append([k.get("what"), (fam["start"] or {}).get("pass_at_1"), None,
+                     k.get("estimate"), k.get("ci"), k.get("tasks"), k.get("detail", "")])
     return _table(["comparison", "start", "final", "estimate", "95% CI", "tasks", "note"],
-                  [[c["what"], (fam["start"] or {}).get("pass_at_1"),
-                    (fam["final"] or {}).get("pass_at_1"), c.get("estimate"), c.get("ci"),
-                    c.get("tasks"), c.get("detail", "")]], "family-table")
+                  rows, "family-table")
 
 
 def _curve_html(curve: list[Mapping[str, Any]]) -> str:

@@ -135,6 +135,25 @@ def test_experiment_report_states_gain_only_with_all_gates_and_ci(
     assert "+0.500" in claim["statement"]
 
 
+def test_family_disjoint_suite_reports_the_shuffled_control_beside_the_rl_arm(
+        tmp_path: Path) -> None:
+    exp = Path(shutil.copytree(clean_experiment(), tmp_path / "exp"))
+    arms = exp / "arms"
+    shutil.copy(arms / "frozen" / "traces" / "eval-start.jsonl",
+                arms / "frozen" / "traces" / "eval-start-family.jsonl")
+    shutil.copy(arms / "rloo" / "traces" / "eval-final.jsonl",
+                arms / "rloo" / "traces" / "eval-final-family.jsonl")
+    family = build_report(exp / "arms" / "rloo")["family_disjoint"]
+    assert family["comparison"]["measured"] and family["comparison"]["estimate"] == 0.5
+    assert family["control"] == {"measured": False, "what": "shuffled-reward control",
+                                 "detail": "the shuffled arm was not evaluated on this suite"}
+    shutil.copy(arms / "shuffled" / "traces" / "eval-final.jsonl",
+                arms / "shuffled" / "traces" / "eval-final-family.jsonl")
+    control = build_report(exp / "arms" / "rloo")["family_disjoint"]["control"]
+    assert control["measured"] and control["estimate"] == 0.0
+    assert control["what"] == "shuffled final - frozen start (family-disjoint)"
+
+
 def _in_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("1", "true", "yes")
 

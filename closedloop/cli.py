@@ -224,6 +224,8 @@ def _run_experiment(cfg: Any, args: argparse.Namespace) -> int:
     exp_dir = Path(args.run_dir or Path(cfg.run_dir) / time.strftime("smoke-%Y%m%d-%H%M%S"))
     if getattr(args, "seeds", None) is not None:
         return _run_replicates(cfg, exp_dir, args)
+    if getattr(args, "only", None) is not None:
+        raise SystemExit("--only selects replicates: it needs --seeds N")
     t0 = time.perf_counter()
     result = run_experiment(cfg, exp_dir, getattr(args, "override_config", None))
     lines = ["", "== held-out success by arm (paired difference from frozen, 95% CI) =="]
@@ -294,7 +296,8 @@ def _run_replicates(cfg: Any, exp_dir: Path, args: argparse.Namespace) -> int:
     from closedloop.replicates import run_replicates
 
     t0 = time.perf_counter()
-    data = run_replicates(cfg, exp_dir, args.seeds, getattr(args, "override_config", None))
+    data = run_replicates(cfg, exp_dir, args.seeds, getattr(args, "override_config", None),
+                          only=getattr(args, "only", None))
     lines = ["", f"== {data['n']} replicates: RL arm minus frozen, per replicate and pooled =="]
     for suite, arms in data["pooled"].items():
         for arm, entry in arms.items():
@@ -304,7 +307,10 @@ def _run_replicates(cfg: Any, exp_dir: Path, args: argparse.Namespace) -> int:
             pooled = entry.get("pooled") or {}
             lines.append(f"{suite:8} {arm:9} {per}; pooled {_fmt(pooled.get('estimate'))} "
                          f"[{_fmt(pooled.get('lo'))}, {_fmt(pooled.get('hi'))}]")
-    for i in range(data["n"]):
+    if data["missing"]:
+        lines.append(f"not pooled (not run here, not found under {exp_dir}): replicates "
+                     + ", ".join(map(str, data["missing"])))
+    for i in sorted(r["replicate"] for r in data["replicates"]):
         report = _write_report(exp_dir / f"replicate-{i}")
         if report:
             lines.append(f"report: {report}")
@@ -438,12 +444,18 @@ def _add_run_commands(sub: _Subcommands) -> list[argparse.ArgumentParser]:
     ex.add_argument("--override-config", metavar="REASON", help=OVERRIDE_HELP)
     ex.add_argument("--seeds", type=int, metavar="N",
                     help="run N independent replicates (training.seed + 0..N-1), pooled")
+    ex.add_argument("--only", type=int, nargs="+", metavar="I",
+                    help="with --seeds: run only these replicate indices; pool the others "
+                         "found finished under the run dir")
     ex.set_defaults(fn=cmd_experiment)
     sm = sub.add_parser("smoke", help="the smoke experiment on the embedded model")
     sm.add_argument("--run-dir")
     sm.add_argument("--model", help="a local Hugging Face model folder instead")
     sm.add_argument("--seeds", type=int, metavar="N",
                     help="run N independent replicates (training.seed + 0..N-1), pooled")
+    sm.add_argument("--only", type=int, nargs="+", metavar="I",
+                    help="with --seeds: run only these replicate indices; pool the others "
+                         "found finished under the run dir")
     sm.add_argument("--override-config", metavar="REASON", help=OVERRIDE_HELP)
     sm.set_defaults(fn=cmd_smoke)
     return [tr, ex, sm]

@@ -15,6 +15,10 @@ by its replicates; resampling (replicate, task) pairs as if independent would be
 over the tasks scored in both arms of every replicate, with a 95% paired percentile-bootstrap
 interval over tasks. A replicate without a gain is
 reported as it is; the pooled interval does not hide it (``replicates_with_gain`` counts them).
+
+Replicates are independent, so they may run on different machines: ``only`` runs a subset of the
+indices; the others are pooled when their ``experiment.json`` is already under the root (copied
+from where they ran) and listed as ``missing`` otherwise.
 """
 
 from __future__ import annotations
@@ -37,23 +41,37 @@ def replicate_config(cfg: RunConfig, index: int) -> RunConfig:
 
 
 def run_replicates(cfg: RunConfig, root: str | Path, n: int,
-                   config_override: str | None = None) -> dict[str, Any]:
-    """Run (or resume) ``n`` replicates under ``root/replicate-<i>``; write replicates.json
+                   config_override: str | None = None,
+                   only: list[int] | None = None) -> dict[str, Any]:
+    """Run (or resume) ``n`` replicates under ``root/replicate-<i>`` (``only``: just these
+    indices, pooling the others found finished on disk); write replicates.json
     (``config_override``: the declared reason for a config that differs from the recorded one)."""
     if n < 1:
         raise ValueError(f"--seeds must be >= 1, got {n}")
+    bad = sorted(i for i in (only or []) if not 0 <= i < n)
+    if bad:
+        raise ValueError(f"--only: replicate indices must be in 0..{n - 1}, got {bad}")
     out_dir = Path(root)
     results: list[dict[str, Any]] = []
+    missing: list[int] = []
     for i in range(n):
+        rep_dir = out_dir / f"replicate-{i}"
         t0 = time.perf_counter()
-        log(f"replicates: {i + 1}/{n} (training.seed {cfg.training.seed + i})")
-        result = run_experiment(replicate_config(cfg, i), out_dir / f"replicate-{i}",
-                                config_override)
+        if only is not None and i not in only:
+            done = rep_dir / "experiment.json"
+            if not done.is_file():
+                missing.append(i)
+                continue
+            result = json.loads(done.read_text(encoding="utf-8"))
+            result["wall_s"] = None  # ran elsewhere; its own logs hold the time
+        else:
+            log(f"replicates: {i + 1}/{n} (training.seed {cfg.training.seed + i})")
+            result = run_experiment(replicate_config(cfg, i), rep_dir, config_override)
+            result["wall_s"] = time.perf_counter() - t0
         result["replicate"], result["training_seed"] = i, cfg.training.seed + i
-        result["wall_s"] = time.perf_counter() - t0
         results.append(result)
     pooled = pool_replicates(results, seed=cfg.training.seed)
-    data = {"replicates": results, "pooled": pooled, "n": n}
+    data = {"replicates": results, "pooled": pooled, "n": n, "missing": missing}
     (out_dir / "replicates.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     return data
 

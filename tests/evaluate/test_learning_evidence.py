@@ -140,6 +140,33 @@ def test_pooling_skips_arms_a_suite_does_not_evaluate():
     assert set(pooled) == {"rloo"}  # shuffled and sft_only were never evaluated here
 
 
+def test_only_runs_the_chosen_replicates_and_pools_those_finished_elsewhere(tmp_path,
+                                                                           monkeypatch):
+    import json
+
+    import closedloop.replicates as replicates
+
+    tasks = [f"t{i}" for i in range(4)]
+    ran: list[int] = []
+
+    def fake_experiment(cfg, out, override=None):
+        ran.append(cfg.training.seed - smoke_config().training.seed)
+        return _rep(ran[-1], dict.fromkeys(tasks, 0.0), dict.fromkeys(tasks, 0.5), lo=0.1)
+
+    monkeypatch.setattr(replicates, "run_experiment", fake_experiment)
+    elsewhere = tmp_path / "replicate-0"
+    elsewhere.mkdir()  # replicate 0 ran on another machine and was copied here
+    (elsewhere / "experiment.json").write_text(json.dumps(
+        _rep(0, dict.fromkeys(tasks, 0.0), dict.fromkeys(tasks, 0.0), lo=0.0)))
+    data = replicates.run_replicates(smoke_config(), tmp_path, 4, only=[2])
+    assert ran == [2]
+    assert [r["replicate"] for r in data["replicates"]] == [0, 2] and data["missing"] == [1, 3]
+    pooled = data["pooled"]["heldout"]["rloo"]["pooled"]
+    assert pooled["replicates"] == 2 and pooled["estimate"] == pytest.approx(0.25)
+    with pytest.raises(ValueError, match="--only"):
+        replicates.run_replicates(smoke_config(), tmp_path, 2, only=[2])
+
+
 def _band_run(train_wins: int, heldout_wins: int) -> RunDir:
     train = _trace("start-train", [(f"{A_EXACT[:-12]}{i:03d}-aaaaaaaa", float(i < train_wins))
                                    for i in range(10)])

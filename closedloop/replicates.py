@@ -18,7 +18,8 @@ reported as it is; the pooled interval does not hide it (``replicates_with_gain`
 
 Replicates are independent, so they may run on different machines: ``only`` runs a subset of the
 indices; the others are pooled when their ``experiment.json`` is already under the root (copied
-from where they ran) and listed as ``missing`` otherwise.
+from where they ran) and their frozen arm recorded the replicate's own config, and are listed as
+``missing`` when absent.
 """
 
 from __future__ import annotations
@@ -30,9 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from closedloop.config import RunConfig
+from closedloop.errors import ConfigDriftError
 from closedloop.evaluate.stats import paired_bootstrap_ci
 from closedloop.experiment import ARMS, run_experiment
 from closedloop.progress import log
+from closedloop.run_integrity import config_differences
 
 
 def replicate_config(cfg: RunConfig, index: int) -> RunConfig:
@@ -62,6 +65,7 @@ def run_replicates(cfg: RunConfig, root: str | Path, n: int,
             if not done.is_file():
                 missing.append(i)
                 continue
+            _check_recorded_config(rep_dir, replicate_config(cfg, i), config_override)
             result = json.loads(done.read_text(encoding="utf-8"))
             result["wall_s"] = None  # ran elsewhere; its own logs hold the time
         else:
@@ -74,6 +78,22 @@ def run_replicates(cfg: RunConfig, root: str | Path, n: int,
     data = {"replicates": results, "pooled": pooled, "n": n, "missing": missing}
     (out_dir / "replicates.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     return data
+
+
+def _check_recorded_config(rep_dir: Path, cfg: RunConfig, override: str | None) -> None:
+    """A replicate run elsewhere is pooled only if it ran this replicate's config."""
+    path = rep_dir / "arms" / "frozen" / "config.json"
+    try:
+        recorded = json.loads(path.read_text(encoding="utf-8"))["config"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigDriftError(path, f"cannot read the replicate's recorded config ({exc!r})",
+                               "copy the whole replicate directory, or run it here") from None
+    differences = config_differences(recorded, cfg.to_dict())
+    if differences and not override:
+        raise ConfigDriftError(path, f"replicate {rep_dir.name} ran another config "
+                               f"({'; '.join(differences[:6])})",
+                               "pool only replicates of this config, or declare the change "
+                               "with --override-config REASON")
 
 
 def pool_replicates(results: list[dict[str, Any]], seed: int = 0) -> dict[str, Any]:

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from closedloop.config import smoke_config
+from closedloop.errors import ConfigDriftError
 from closedloop.evaluate.learning import (
     cold_start_table,
     heldout_curve,
@@ -155,9 +156,16 @@ def test_only_runs_the_chosen_replicates_and_pools_those_finished_elsewhere(tmp_
 
     monkeypatch.setattr(replicates, "run_experiment", fake_experiment)
     elsewhere = tmp_path / "replicate-0"
-    elsewhere.mkdir()  # replicate 0 ran on another machine and was copied here
+    (elsewhere / "arms" / "frozen").mkdir(parents=True)  # ran on another machine, copied here
     (elsewhere / "experiment.json").write_text(json.dumps(
         _rep(0, dict.fromkeys(tasks, 0.0), dict.fromkeys(tasks, 0.0), lo=0.0)))
+    recorded = elsewhere / "arms" / "frozen" / "config.json"
+    other = replicate_config(smoke_config(), 1).to_dict()  # replicate 1's seed, not 0's
+    recorded.write_text(json.dumps({"config": other}))
+    with pytest.raises(ConfigDriftError, match=r"training\.seed"):
+        replicates.run_replicates(smoke_config(), tmp_path, 4, only=[2])
+    assert ran == []
+    recorded.write_text(json.dumps({"config": smoke_config().to_dict()}))
     data = replicates.run_replicates(smoke_config(), tmp_path, 4, only=[2])
     assert ran == [2]
     assert [r["replicate"] for r in data["replicates"]] == [0, 2] and data["missing"] == [1, 3]

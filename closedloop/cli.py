@@ -293,7 +293,7 @@ def _suite_lines(result: dict[str, Any]) -> list[str]:
 
 
 def _run_replicates(cfg: Any, exp_dir: Path, args: argparse.Namespace) -> int:
-    from closedloop.replicates import run_replicates
+    from closedloop.replicates import pool_measured, run_replicates
 
     t0 = time.perf_counter()
     data = run_replicates(cfg, exp_dir, args.seeds, getattr(args, "override_config", None),
@@ -310,10 +310,24 @@ def _run_replicates(cfg: Any, exp_dir: Path, args: argparse.Namespace) -> int:
     if data["missing"]:
         lines.append(f"not pooled (not run here, not found under {exp_dir}): replicates "
                      + ", ".join(map(str, data["missing"])))
+    claims: dict[int, dict[str, Any]] = {}
     for i in sorted(r["replicate"] for r in data["replicates"]):
         report = _write_report(exp_dir / f"replicate-{i}")
         if report:
-            lines.append(f"report: {report}")
+            claims[i] = json.loads(report.with_suffix(".json").read_text("utf-8"))["claim"]
+            lines.append(f"replicate {i}: {claims[i]['statement']} ({report})")
+    if claims:
+        pool_measured(data, claims, seed=cfg.training.seed)
+        measured = data["measured_replicates"]
+        lines.append(f"== pooled over the replicates whose gates all passed: "
+                     f"{', '.join(map(str, measured)) or 'none'} ==")
+        for suite, arms in data["pooled_measured"].items():
+            for arm, entry in arms.items():
+                pooled = entry.get("pooled") or {}
+                lines.append(f"{suite:8} {arm:9} pooled {_fmt(pooled.get('estimate'))} "
+                             f"[{_fmt(pooled.get('lo'))}, {_fmt(pooled.get('hi'))}]")
+        (exp_dir / "replicates.json").write_text(json.dumps(data, indent=2, sort_keys=True)
+                                                 + "\n")
     lines.append(f"wall time: {(time.perf_counter() - t0) / 60:.1f} min")
     _print(data, args.json, "\n".join(lines))
     return 0

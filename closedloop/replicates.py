@@ -80,6 +80,20 @@ def run_replicates(cfg: RunConfig, root: str | Path, n: int,
     return data
 
 
+def pool_measured(data: dict[str, Any], claims: dict[int, dict[str, Any]],
+                  seed: int = 0) -> dict[str, Any]:
+    """Add each replicate's claim (its report's) to ``data`` and the effect pooled over the
+    replicates whose gates all passed (``pooled_measured``): a replicate with a failed or
+    unmeasured gate has no measured comparison, so it does not enter that pool; ``pooled``
+    keeps every replicate."""
+    measured = [r for r in data["replicates"]
+                if (claims.get(r["replicate"]) or {}).get("all_gates_passed")]
+    data["claims"] = {str(i): c for i, c in sorted(claims.items())}
+    data["measured_replicates"] = [r["replicate"] for r in measured]
+    data["pooled_measured"] = pool_replicates(measured, seed=seed) if measured else {}
+    return data
+
+
 def _check_recorded_config(rep_dir: Path, cfg: RunConfig, override: str | None) -> None:
     """A replicate run elsewhere is pooled only if it ran this replicate's config."""
     path = rep_dir / "arms" / "frozen" / "config.json"

@@ -175,6 +175,58 @@ def test_only_runs_the_chosen_replicates_and_pools_those_finished_elsewhere(tmp_
         replicates.run_replicates(smoke_config(), tmp_path, 2, only=[2])
 
 
+def test_pool_measured_leaves_out_replicates_whose_gates_did_not_all_pass():
+    from closedloop.replicates import pool_measured
+
+    tasks = [f"t{i}" for i in range(4)]
+    reps = [_rep(0, dict.fromkeys(tasks, 0.0), dict.fromkeys(tasks, 0.5), lo=0.1),
+            _rep(1, dict.fromkeys(tasks, 0.5), dict.fromkeys(tasks, 0.0), lo=-0.6)]
+    data = {"replicates": reps, "pooled": pool_replicates(reps)}
+    claims = {0: {"all_gates_passed": True}, 1: {"all_gates_passed": False,
+                                                 "failed_gates": ["cold_start_band"]}}
+    pool_measured(data, claims)
+    assert data["measured_replicates"] == [0]
+    assert data["pooled"]["heldout"]["rloo"]["pooled"]["estimate"] == pytest.approx(0.0)
+    measured = data["pooled_measured"]["heldout"]["rloo"]["pooled"]
+    assert measured["estimate"] == pytest.approx(0.5) and measured["replicates"] == 1
+    assert pool_measured(data, {0: {"all_gates_passed": False}})["pooled_measured"] == {}
+
+
+def test_smoke_seeds_prints_each_replicates_claim_and_the_pool_of_measured_ones(
+        tmp_path, monkeypatch, capsys):
+    import json
+
+    import closedloop.evaluate.report as report
+    import closedloop.replicates as replicates
+    from closedloop.cli import main
+
+    tasks = [f"t{i}" for i in range(4)]
+
+    def fake_experiment(cfg, out, override=None):
+        i = cfg.training.seed - smoke_config().training.seed
+        return _rep(i, dict.fromkeys(tasks, 0.0), dict.fromkeys(tasks, 0.5 * (1 - i)), lo=0.1)
+
+    def fake_report(exp_dir):
+        passed = Path(exp_dir).name == "replicate-0"
+        claim = {"all_gates_passed": passed, "statement": "gain" if passed else "not measured"}
+        Path(exp_dir).mkdir(parents=True, exist_ok=True)
+        (Path(exp_dir) / "report.json").write_text(json.dumps({"claim": claim}))
+        return str(Path(exp_dir) / "report.html"), {}
+
+    monkeypatch.setattr(replicates, "run_experiment", fake_experiment)
+    monkeypatch.setattr(report, "write_report", fake_report)
+    assert main(["smoke", "--seeds", "2", "--run-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "replicate 0: gain" in out and "replicate 1: not measured" in out
+    assert "whose gates all passed: 0 ==" in out
+    data = json.loads((tmp_path / "replicates.json").read_text())
+    assert data["measured_replicates"] == [0]
+    assert data["pooled_measured"]["heldout"]["rloo"]["pooled"]["estimate"] == pytest.approx(0.5)
+    assert data["pooled"]["heldout"]["rloo"]["pooled"]["estimate"] == pytest.approx(0.25)
+    with pytest.raises(SystemExit, match="needs --seeds"):
+        main(["smoke", "--only", "1", "--run-dir", str(tmp_path)])
+
+
 def _band_run(train_wins: int, heldout_wins: int) -> RunDir:
     train = _trace("start-train", [(f"{A_EXACT[:-12]}{i:03d}-aaaaaaaa", float(i < train_wins))
                                    for i in range(10)])

@@ -67,11 +67,11 @@ def run_replicates(cfg: RunConfig, root: str | Path, n: int,
                 continue
             _check_recorded_config(rep_dir, replicate_config(cfg, i), config_override)
             result = json.loads(done.read_text(encoding="utf-8"))
-            result["wall_s"] = None  # ran elsewhere; its own logs hold the time
+            result["wall_s_this_launch"] = None  # ran elsewhere; its own logs hold the time
         else:
             log(f"replicates: {i + 1}/{n} (training.seed {cfg.training.seed + i})")
             result = run_experiment(replicate_config(cfg, i), rep_dir, config_override)
-            result["wall_s"] = time.perf_counter() - t0
+            result["wall_s_this_launch"] = time.perf_counter() - t0  # a resume: this launch
         result["replicate"], result["training_seed"] = i, cfg.training.seed + i
         results.append(result)
     pooled = pool_replicates(results, seed=cfg.training.seed)

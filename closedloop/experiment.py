@@ -25,10 +25,9 @@ from closedloop.contracts import load_episodes
 from closedloop.errors import RunStateError
 from closedloop.evaluate.heldout import EvalSummary, summarize_eval
 from closedloop.evaluate.stats import paired_bootstrap_ci
-from closedloop.loop import evaluate_start, train
+from closedloop.loop import evaluate_start, opened_run, train
 from closedloop.policy.registry import version_name
 from closedloop.progress import log
-from closedloop.training import TrainingRun
 
 ARMS = ("frozen", "rloo", "shuffled", "sft_only")
 SHARED = ("sft/adapter.pt", "sft/result.json", "traces/sft-demos.jsonl",
@@ -64,11 +63,7 @@ def _suites(cfg: RunConfig) -> tuple[str, ...]:
 
 def _cold_start(cfg: RunConfig, frozen_dir: Path, config_override: str | None = None) -> None:
     """Warm start, publish v0000, evaluate it on every suite and audit it: the frozen arm."""
-    run = TrainingRun(cfg, frozen_dir, config_override)
-    try:
-        if cfg.sft.enabled:
-            run.warm_start()
-        run.attach_rl_adapter()
+    with opened_run(cfg, frozen_dir, config_override) as run:
         if not run.resume():
             run.publish(version_name(0))
         manifest = run.registry.manifest(version_name(0))
@@ -76,24 +71,16 @@ def _cold_start(cfg: RunConfig, frozen_dir: Path, config_override: str | None = 
         run.evaluate_retain("start", manifest)
         if not (frozen_dir / "audit.json").is_file():
             run.audit_frozen("start", manifest)
-    finally:
-        run.close()
 
 
 def _sft_only(cfg: RunConfig, arm_dir: Path, tokens: int,
               config_override: str | None = None) -> None:
-    run = TrainingRun(cfg, arm_dir, config_override)
-    try:
-        if cfg.sft.enabled:
-            run.warm_start()
-        run.attach_rl_adapter()
+    with opened_run(cfg, arm_dir, config_override) as run:
         if not (arm_dir / "traces" / "eval-final.jsonl").is_file():
             run.publish(version_name(0))
             run.sft_only(tokens, "matched")
         final = run.registry.manifest(version_name(cfg.training.rl_steps))
         run.evaluate("final", final)
-    finally:
-        run.close()
 
 
 def _final_family(cfg: RunConfig, arm_dir: Path, config_override: str | None) -> None:
@@ -102,18 +89,12 @@ def _final_family(cfg: RunConfig, arm_dir: Path, config_override: str | None) ->
     if (arm_dir / "traces" / "eval-final-family.jsonl").is_file():
         return
     log(f"experiment: arm {arm_dir.name}, final policy on the family-disjoint suite")
-    run = TrainingRun(cfg, arm_dir, config_override)
-    try:
-        if cfg.sft.enabled:
-            run.warm_start()
-        run.attach_rl_adapter()
+    with opened_run(cfg, arm_dir, config_override) as run:
         if not run.resume():
             raise RunStateError(arm_dir, "the arm's summary exists but no checkpoint resumes",
                                 "delete the arm's directory to train it again")
         final = run.registry.manifest(version_name(cfg.training.rl_steps))
         run.evaluate("final", final, suite="family")
-    finally:
-        run.close()
 
 
 def _trained_tokens(run_dir: Path) -> int:

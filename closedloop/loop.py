@@ -15,6 +15,8 @@ Each line below calls the library; ``TrainingRun.rl_step`` holds the per-step se
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +62,21 @@ def evaluate_curve_point(run: TrainingRun, step: int) -> None:
         run.evaluate(f"step-{step:04d}", run.registry.manifest(version_name(step)))
 
 
+@contextmanager
+def opened_run(cfg: RunConfig, run_dir: str | Path,
+               config_override: str | None = None) -> Iterator[TrainingRun]:
+    """The run directory opened (locked, checked), its warm start done or reloaded (π_ref = the
+    warm-started policy, "initial_sft") and the RL adapter attached; closed on exit."""
+    run = TrainingRun(cfg, run_dir, config_override)
+    try:
+        if cfg.sft.enabled:
+            run.warm_start()
+        run.attach_rl_adapter()
+        yield run
+    finally:
+        run.close()
+
+
 def train(cfg: RunConfig, run_dir: str | Path, config_override: str | None = None,
           final_family: bool = True, final_retain: bool = True) -> dict[str, Any]:
     """Run (or resume) a whole experiment and return its summary (``config_override``: the
@@ -67,11 +84,7 @@ def train(cfg: RunConfig, run_dir: str | Path, config_override: str | None = Non
     ``final_retain`` False skip the final policy's family-disjoint / retain evaluations (an
     experiment's control arm: those claims are the RL arm's); the summary's ``retain_delta``
     is then None."""
-    run = TrainingRun(cfg, run_dir, config_override)
-    try:
-        if cfg.sft.enabled:
-            run.warm_start()  # π_ref = the warm-started policy ("initial_sft")
-        run.attach_rl_adapter()
+    with opened_run(cfg, run_dir, config_override) as run:
         if not run.resume():
             run.publish(version_name(0))
         start = evaluate_start(run)
@@ -103,8 +116,6 @@ def train(cfg: RunConfig, run_dir: str | Path, config_override: str | None = Non
         path = write_summary(run, summary)
         log(f"summary written to {path}")
         return summary
-    finally:
-        run.close()
 
 
 def _ci(summary: EvalSummary) -> list[float] | None:

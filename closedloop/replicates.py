@@ -35,7 +35,7 @@ from closedloop.errors import ConfigDriftError
 from closedloop.evaluate.stats import paired_bootstrap_ci
 from closedloop.experiment import ARMS, run_experiment
 from closedloop.progress import log
-from closedloop.run_integrity import config_differences
+from closedloop.run_integrity import recorded_config_differences
 
 
 def replicate_config(cfg: RunConfig, index: int) -> RunConfig:
@@ -96,15 +96,12 @@ def pool_measured(data: dict[str, Any], claims: dict[int, dict[str, Any]],
 
 def _check_recorded_config(rep_dir: Path, cfg: RunConfig, override: str | None) -> None:
     """A replicate run elsewhere is pooled only if it ran this replicate's config."""
-    path = rep_dir / "arms" / "frozen" / "config.json"
-    try:
-        recorded = json.loads(path.read_text(encoding="utf-8"))["config"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ConfigDriftError(path, f"cannot read the replicate's recorded config ({exc!r})",
-                               "copy the whole replicate directory, or run it here") from None
-    differences = config_differences(recorded, cfg.to_dict())
+    frozen = rep_dir / "arms" / "frozen"
+    differences = recorded_config_differences(
+        frozen, cfg.to_dict(), "copy the whole replicate directory, or run it here")
     if differences and not override:
-        raise ConfigDriftError(path, f"replicate {rep_dir.name} ran another config "
+        raise ConfigDriftError(frozen / "config.json",
+                               f"replicate {rep_dir.name} ran another config "
                                f"({'; '.join(differences[:6])})",
                                "pool only replicates of this config, or declare the change "
                                "with --override-config REASON")

@@ -115,6 +115,19 @@ def _append_line(path: Path, record: Mapping[str, Any]) -> None:
         os.fsync(fh.fileno())
 
 
+def recorded_config_differences(run_dir: Path, config: Mapping[str, Any],
+                                unreadable: str) -> list[str]:
+    """``config_differences`` between the config ``run_dir/config.json`` recorded and
+    ``config``; ``ConfigDriftError`` (recovery: ``unreadable``) when it cannot be read."""
+    path = run_dir / "config.json"
+    try:
+        recorded = json.loads(path.read_text("utf-8"))["config"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigDriftError(path, f"cannot read the recorded config ({exc!r})",
+                               unreadable) from None
+    return config_differences(recorded, dict(config))
+
+
 def check_config(run_dir: Path, config: Mapping[str, Any], meta: Mapping[str, Any],
                  override: str | None = None) -> list[str]:
     """Check the resolved ``config`` against ``config.json`` (written on the first launch,
@@ -123,13 +136,8 @@ def check_config(run_dir: Path, config: Mapping[str, Any], meta: Mapping[str, An
     path = run_dir / "config.json"
     differences: list[str] = []
     if path.exists():
-        try:
-            recorded = json.loads(path.read_text("utf-8"))["config"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ConfigDriftError(path, f"cannot read the recorded config ({exc!r})",
-                                   "restore config.json from a backup, or " + NEW_RUN_DIR
-                                   ) from None
-        differences = config_differences(recorded, dict(config))
+        differences = recorded_config_differences(
+            run_dir, config, "restore config.json from a backup, or " + NEW_RUN_DIR)
         if differences and not override:
             shown = "; ".join(differences[:6]) + ("; ..." if len(differences) > 6 else "")
             raise ConfigDriftError(path, f"the resolved config differs from the one this run "

@@ -418,9 +418,6 @@ def host_has_native_bf16(cpuinfo: str | None = None) -> bool:
     return bool({"amx_bf16", "avx512_bf16"} & flags)
 
 
-ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
-
-
 def smoke_config() -> RunConfig:
     """The smoke experiment's defaults: the seed's YAML, scaled to 2 CPU cores.
 
@@ -443,12 +440,7 @@ def smoke_config() -> RunConfig:
       the bf16 same-engine baseline; float32 elsewhere;
     - RL learning rate 2e-4: at 5e-4 the KL to the warm start passed 1 within six steps in the
       rloo and the shuffled-reward arm alike (train-side evidence: the step was too large
-      for its signal);
-    - LoRA on the four attention projections only (the warm start's adapter and the RL
-      adapter): an update of one group of 8 episodes took 11.3 s instead of 15.1 s with the
-      MLP projections adapted too (docs/performance.md), and the warm start with seven adapted
-      projections memorised its 48 demonstrations (loss 0.04) and put one replicate's cold
-      start above the band.
+      for its signal).
     """
     levels = ["exact"]
     precision: Literal["float32", "bfloat16"] = (
@@ -458,6 +450,6 @@ def smoke_config() -> RunConfig:
         rollout=RolloutSection(temperature=0.7, max_action_tokens=128),
         credit=CreditSection(censor_rule="drop_censored"),
         training=TrainingSection(rl_steps=6, groups_per_step=3, learning_rate=2e-4,
-                                 lora_targets=list(ATTENTION_PROJECTIONS), precision=precision),
+                                 precision=precision),
         sft=SFTSection(enabled=True, demonstrations=48, epochs=3, learning_rate=2e-3),
         run_dir="runs")

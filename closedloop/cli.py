@@ -265,30 +265,38 @@ def _report_lines(report_json: Path) -> list[str]:
     lines.append(f"zero-variance groups: observed {_fmt(zv['observed_rate'])} "
                  f"({zv['zero_variance']}/{zv['scored_groups']}), predicted "
                  f"{_fmt(zv['predicted_rate'])} (p^G + (1-p)^G)")
-    family = rep.get("family_disjoint") or {}
-    for key in ("comparison", "control"):
-        fam = family.get(key) or {}
-        if fam.get("measured"):
-            lo, hi = fam["ci"]
-            lines.append(f"family-disjoint: {fam['what']} = {fam['estimate']:+.3f} "
-                         f"[{lo:+.3f}, {hi:+.3f}] over {fam['tasks']} tasks")
-        elif key == "control" and family.get("comparison", {}).get("measured"):
-            lines.append(f"family-disjoint control: not measured ({fam.get('detail')})")
+    for section, title in (("family_disjoint", "family-disjoint"),
+                           ("in_distribution", "in distribution")):
+        suite = rep.get(section) or {}
+        for key in ("comparison", "control"):
+            c = suite.get(key) or {}
+            if c.get("measured"):
+                lo, hi = c["ci"]
+                lines.append(f"{title}: {c['what']} = {c['estimate']:+.3f} "
+                             f"[{lo:+.3f}, {hi:+.3f}] over {c['tasks']} tasks")
+            elif key == "control" and suite.get("comparison", {}).get("measured"):
+                lines.append(f"{title} control: not measured ({c.get('detail')})")
     lines.append(f"claim: {rep['claim']['statement']}")
     return lines
 
 
+_SUITE_HEADINGS = {"family": "families never trained on",
+                   "train": "the train tasks RL drew from, in distribution"}
+
+
 def _suite_lines(result: dict[str, Any]) -> list[str]:
-    """The family-disjoint suite's arms, when it was evaluated."""
-    family = result.get("suites", {}).get("family")
-    if not family:
-        return []
-    lines = [f"== family-disjoint suite ({family['tasks']} tasks, families never trained on) =="]
-    for name, arm in family["arms"].items():
-        diff = arm.get("diff_vs_frozen")
-        lines.append(f"{name:9} success {_fmt(arm['success'])}"
-                     + (f"  diff {_fmt(diff['estimate'])} [{_fmt(diff['lo'])}, "
-                        f"{_fmt(diff['hi'])}]" if diff else ""))
+    """The family-disjoint and train suites' arms, where they were evaluated."""
+    lines = []
+    for suite, heading in _SUITE_HEADINGS.items():
+        data = result.get("suites", {}).get(suite)
+        if not data:
+            continue
+        lines.append(f"== {suite} suite ({data['tasks']} tasks, {heading}) ==")
+        for name, arm in data["arms"].items():
+            diff = arm.get("diff_vs_frozen")
+            lines.append(f"{name:9} success {_fmt(arm['success'])}"
+                         + (f"  diff {_fmt(diff['estimate'])} [{_fmt(diff['lo'])}, "
+                            f"{_fmt(diff['hi'])}]" if diff else ""))
     return lines
 
 

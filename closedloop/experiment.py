@@ -25,7 +25,7 @@ from closedloop.contracts import load_episodes
 from closedloop.errors import RunStateError
 from closedloop.evaluate.heldout import EvalSummary, summarize_eval
 from closedloop.evaluate.stats import paired_bootstrap_ci
-from closedloop.loop import evaluate_start, opened_run, train
+from closedloop.loop import evaluate_start, final_suites, opened_run, train
 from closedloop.policy.registry import version_name
 from closedloop.progress import log
 
@@ -33,13 +33,15 @@ ARMS = ("frozen", "rloo", "shuffled", "sft_only")
 SHARED = ("sft/adapter.pt", "sft/result.json", "traces/sft-demos.jsonl",
           "traces/eval-start.jsonl", "traces/eval-start-family.jsonl",
           "traces/eval-start-train.jsonl", "traces/eval-retain-start.jsonl", "audit.json")
-SUITES = ("heldout", "family")
-"""``heldout``: the template-disjoint suite; ``family``: families absent from training."""
-FAMILY_ARMS = ("frozen", "rloo", "shuffled")
-"""The arms evaluated on the family-disjoint suite: its claim is RL final − frozen start, beside
-the shuffled-reward null on the same suite (a gain the null shares is not the reward's). The
-SFT-only control answers the template-disjoint claim and skips it; the retain suites' final
-evaluation is the RL arm's alone."""
+SUITES = ("heldout", "family", "train")
+"""``heldout``: the template-disjoint suite; ``family``: families absent from training;
+``train``: the tasks RL draws its groups from (in distribution: what the gradient moved, not
+a capability claim)."""
+SUITE_ARMS = ("frozen", "rloo", "shuffled")
+"""The arms evaluated on the family-disjoint and the train suites: each suite's comparison is RL
+final − frozen start, beside the shuffled-reward null on the same suite (a gain the null shares
+is not the reward's). The SFT-only control answers the template-disjoint claim and skips them;
+the retain suites' final evaluation is the RL arm's alone."""
 
 
 def _copy_cold_start(cold: Path, arm: Path) -> None:
@@ -58,7 +60,7 @@ def _eval_of(run_dir: Path, label: str, cfg: RunConfig, suite: str = "heldout") 
 
 
 def _suites(cfg: RunConfig) -> tuple[str, ...]:
-    return SUITES if cfg.evaluation.environment_family_disjoint else SUITES[:1]
+    return ("heldout", *final_suites(cfg))
 
 
 def _cold_start(cfg: RunConfig, frozen_dir: Path, config_override: str | None = None) -> None:
@@ -83,18 +85,21 @@ def _sft_only(cfg: RunConfig, arm_dir: Path, tokens: int,
         run.evaluate("final", final)
 
 
-def _final_family(cfg: RunConfig, arm_dir: Path, config_override: str | None) -> None:
-    """Evaluate a finished arm's final policy on the family-disjoint suite if it has not been
-    (an experiment directory written before that arm was in ``FAMILY_ARMS``)."""
-    if (arm_dir / "traces" / "eval-final-family.jsonl").is_file():
+def _final_suites(cfg: RunConfig, arm_dir: Path, config_override: str | None) -> None:
+    """Evaluate a finished arm's final policy on each of ``final_suites`` it has not been
+    evaluated on (an experiment directory written before that suite was evaluated)."""
+    missing = [s for s in final_suites(cfg)
+               if not (arm_dir / "traces" / f"eval-final-{s}.jsonl").is_file()]
+    if not missing:
         return
-    log(f"experiment: arm {arm_dir.name}, final policy on the family-disjoint suite")
+    log(f"experiment: arm {arm_dir.name}, final policy on the {', '.join(missing)} suite(s)")
     with opened_run(cfg, arm_dir, config_override) as run:
         if not run.resume():
             raise RunStateError(arm_dir, "the arm's summary exists but no checkpoint resumes",
                                 "delete the arm's directory to train it again")
         final = run.registry.manifest(version_name(cfg.training.rl_steps))
-        run.evaluate("final", final, suite="family")
+        for suite in missing:
+            run.evaluate("final", final, suite=suite)
 
 
 def _trained_tokens(run_dir: Path) -> int:
@@ -128,10 +133,10 @@ def run_experiment(cfg: RunConfig, exp_dir: str | Path,
         if not (arms[name] / "summary.json").is_file():
             _copy_cold_start(arms["frozen"], arms[name])
             log(f"experiment: arm {name}")
-            train(arm_cfg, arms[name], config_override, final_family=name in FAMILY_ARMS,
+            train(arm_cfg, arms[name], config_override, final_other_suites=name in SUITE_ARMS,
                   final_retain=name == "rloo")
-        elif name in FAMILY_ARMS and cfg.evaluation.environment_family_disjoint:
-            _final_family(arm_cfg, arms[name], config_override)
+        elif name in SUITE_ARMS:
+            _final_suites(arm_cfg, arms[name], config_override)
     tokens = _trained_tokens(arms["rloo"])
     _copy_cold_start(arms["frozen"], arms["sft_only"])
     log(f"experiment: arm sft_only, matched to {tokens} RL action tokens")
@@ -163,14 +168,15 @@ def summarize_experiment(cfg: RunConfig, arms: dict[str, Path], tokens: int) -> 
     """Each arm's success on each suite and its paired difference from frozen, with CIs.
 
     ``arms`` (the template-disjoint held-out suite) keeps its historical place; the
-    family-disjoint suite, when evaluated, is under ``suites.family`` with the same fields.
+    family-disjoint and train suites, when evaluated, are under ``suites.family`` and
+    ``suites.train`` with the same fields.
     """
     out: dict[str, Any] = {"matched_action_tokens": tokens, "seeds": list(cfg.evaluation.seeds),
                            "suites": {}}
     for suite in _suites(cfg):
         frozen = _eval_of(arms["frozen"], "start", cfg, suite)
         base = frozen.per_task_success()
-        names = ARMS if suite == "heldout" else FAMILY_ARMS
+        names = ARMS if suite == "heldout" else SUITE_ARMS
         entries = {name: _arm_entry(frozen if name == "frozen"
                                     else _eval_of(arms[name], "final", cfg, suite),
                                     base, cfg, arms[name]) for name in names}

@@ -54,6 +54,16 @@ def evaluate_start(run: TrainingRun) -> EvalSummary:
     return start
 
 
+def final_suites(cfg: RunConfig) -> tuple[str, ...]:
+    """The suites besides the held-out one that the final policy is evaluated on, each against
+    its start evaluation: ``family`` (families absent from training) when
+    ``environment_family_disjoint``, and ``train`` (the tasks RL draws from: what the gradient
+    moved in distribution, not a capability claim) when ``cold_start_train_eval``."""
+    ev = cfg.evaluation
+    return (("family",) if ev.environment_family_disjoint else ()) + (
+        ("train",) if ev.cold_start_train_eval else ())
+
+
 def evaluate_curve_point(run: TrainingRun, step: int) -> None:
     """Held-out evaluation of v_step, when ``step`` is an intermediate curve point."""
     cfg = run.cfg
@@ -78,12 +88,12 @@ def opened_run(cfg: RunConfig, run_dir: str | Path,
 
 
 def train(cfg: RunConfig, run_dir: str | Path, config_override: str | None = None,
-          final_family: bool = True, final_retain: bool = True) -> dict[str, Any]:
+          final_other_suites: bool = True, final_retain: bool = True) -> dict[str, Any]:
     """Run (or resume) a whole experiment and return its summary (``config_override``: the
-    declared reason for a config that differs from the run directory's). ``final_family`` /
-    ``final_retain`` False skip the final policy's family-disjoint / retain evaluations (an
-    experiment's control arm: those claims are the RL arm's); the summary's ``retain_delta``
-    is then None."""
+    declared reason for a config that differs from the run directory's). ``final_other_suites``
+    / ``final_retain`` False skip the final policy's evaluations on ``final_suites`` / the
+    retain suites (an experiment's control arm: those claims are the RL arm's); the summary's
+    ``retain_delta`` is then None."""
     with opened_run(cfg, run_dir, config_override) as run:
         if not run.resume():
             run.publish(version_name(0))
@@ -104,8 +114,8 @@ def train(cfg: RunConfig, run_dir: str | Path, config_override: str | None = Non
             evaluate_curve_point(run, step + 1)
         final_version = version_name(cfg.training.rl_steps)
         final = run.evaluate("final", run.registry.manifest(final_version))
-        if cfg.evaluation.environment_family_disjoint and final_family:
-            run.evaluate("final", run.registry.manifest(final_version), suite="family")
+        for suite in final_suites(cfg) if final_other_suites else ():
+            run.evaluate("final", run.registry.manifest(final_version), suite=suite)
         retain = None
         if final_retain:
             retain_final = run.evaluate_retain("final", run.registry.manifest(final_version))

@@ -144,29 +144,35 @@ def capability_claim(gates: GateReport, comparison: Mapping[str, Any]) -> dict[s
             f"{comparison['what']} = {span}. No gain is claimed."}
 
 
-def _family_disjoint(run: RunDir, seed: int) -> dict[str, Any]:
-    """The family-disjoint suite: the RL arm's final minus the frozen arm's start (in an
-    experiment), else the run's final minus its start; its own comparison, never pooled with the
-    template-disjoint one. In an experiment whose shuffled-reward arm was evaluated on the suite
+SUITE_TITLES = {"family": "family-disjoint", "train": "train tasks, in distribution"}
+"""The suites compared besides the held-out one, by their trace suffix."""
+
+
+def suite_comparison(run: RunDir, seed: int, suite: str) -> dict[str, Any]:
+    """One more suite's comparison, its own and never pooled with the template-disjoint one:
+    the RL arm's final minus the frozen arm's start (in an experiment), else the run's final
+    minus its start. In an experiment whose shuffled-reward arm was evaluated on the suite
     too, ``control`` is that arm's final minus the frozen start: a gain the null shares is not
-    the reward's."""
-    final = eval_summary(run, "final-family")
-    base = eval_summary(run, "start-family")
+    the reward's. ``family``: families absent from training; ``train``: the tasks RL drew its
+    groups from (what the gradient moved in distribution; not a capability claim)."""
+    title = SUITE_TITLES[suite]
+    final = eval_summary(run, f"final-{suite}")
+    base = eval_summary(run, f"start-{suite}")
     exp = experiment_of(run.path)
     arms = find_arms(exp) if exp is not None else {}
     frozen = next((p for n, p in sorted(arms.items()) if "frozen" in n.lower()), None)
     shuffled = next((p for n, p in sorted(arms.items()) if "shuffl" in n.lower()), None)
-    what = "final - start (family-disjoint)"
+    what = f"final - start ({title})"
     if frozen is not None:
-        base = eval_summary(load_run(frozen), "start-family") or base
-        what = "RL final - frozen start (family-disjoint)"
+        base = eval_summary(load_run(frozen), f"start-{suite}") or base
+        what = f"RL final - frozen start ({title})"
     if final is None and base is None:
-        return {"measured": False, "what": what, "detail": "no family-disjoint evaluation"}
+        return {"measured": False, "what": what, "detail": f"no {title} evaluation"}
     out = {"start": _heldout(base), "final": _heldout(final),
            "comparison": _paired(final, base, seed, what)}
-    null = None if shuffled is None else eval_summary(load_run(shuffled), "final-family")
-    out["control"] = (_paired(null, base, seed, "shuffled final - frozen start "
-                                                 "(family-disjoint)") if null is not None
+    null = None if shuffled is None else eval_summary(load_run(shuffled), f"final-{suite}")
+    out["control"] = (_paired(null, base, seed, f"shuffled final - frozen start ({title})")
+                      if null is not None
                       else {"measured": False, "what": "shuffled-reward control",
                             "detail": "the shuffled arm was not evaluated on this suite"})
     return out
@@ -296,7 +302,8 @@ def build_report(run_dir: str | Path, gates: GateReport | None = None,
         "cold_start": cold_start_table(run),
         "heldout_curve": heldout_curve(run),
         "zero_variance": zero_variance_table(run),
-        "family_disjoint": _family_disjoint(run, seed),
+        "family_disjoint": suite_comparison(run, seed, "family"),
+        "in_distribution": suite_comparison(run, seed, "train"),
     }
     return _finite(report)
 
@@ -409,7 +416,7 @@ def _training_html(report: Mapping[str, Any]) -> str:
             + _img(plot_learning_curves(tr["learning_curves"]), "learning curves"))
 
 
-def _family_html(fam: Mapping[str, Any]) -> str:
+def _suite_html(fam: Mapping[str, Any], table_id: str) -> str:
     if fam.get("measured") is False:
         return f"<p>{_fmt(fam.get('detail'))}.</p>"
     c = fam["comparison"]
@@ -421,7 +428,7 @@ def _family_html(fam: Mapping[str, Any]) -> str:
         rows.append([k.get("what"), (fam["start"] or {}).get("pass_at_1"), None,
                      k.get("estimate"), k.get("ci"), k.get("tasks"), k.get("detail", "")])
     return _table(["comparison", "start", "final", "estimate", "95% CI", "tasks", "note"],
-                  rows, "family-table")
+                  rows, table_id)
 
 
 def _curve_html(curve: list[Mapping[str, Any]]) -> str:
@@ -502,7 +509,10 @@ def render_html(report: Mapping[str, Any]) -> str:
         f"{html.escape(claim['statement'])}</p>",
         "<h2>Go/no-go gates</h2>", _gates_html(report["gates"]),
         "<h2>Held-out evaluation</h2>", _heldout_html(report),
-        "<h2>Family-disjoint suite</h2>", _family_html(report["family_disjoint"]),
+        "<h2>Family-disjoint suite</h2>", _suite_html(report["family_disjoint"], "family-table"),
+        "<h2>In distribution: the train tasks</h2>",
+        "<p>The tasks RL drew its groups from, one attempt each: what the gradient moved, not "
+        "a capability on unseen tasks.</p>", _suite_html(report["in_distribution"], "train-table"),
         "<h2>Held-out learning curve</h2>", _curve_html(report["heldout_curve"]),
         "<h2>Cold start by hint level</h2>", _cold_start_html(report["cold_start"]),
         "<h2>Zero-variance groups: observed vs predicted</h2>",

@@ -20,7 +20,7 @@ from matplotlib.image import imread
 from closedloop.cli import main
 from closedloop.evaluate import gates as gates_pkg
 from closedloop.evaluate.gates import GATE_NAMES, Gate, GateReport
-from closedloop.evaluate.report import build_report, capability_claim, write_report
+from closedloop.evaluate.report import build_report, capability_claim, render_html, write_report
 from closedloop.evaluate.stats import wilson_interval
 from closedloop.verify import build_fixtures
 from tests.evaluate.synthetic_run import (
@@ -135,23 +135,34 @@ def test_experiment_report_states_gain_only_with_all_gates_and_ci(
     assert "+0.500" in claim["statement"]
 
 
-def test_family_disjoint_suite_reports_the_shuffled_control_beside_the_rl_arm(
-        tmp_path: Path) -> None:
+@pytest.mark.parametrize(("suite", "key", "title"), [
+    ("family", "family_disjoint", "family-disjoint"),
+    ("train", "in_distribution", "train tasks, in distribution")])
+def test_each_other_suite_reports_the_shuffled_control_beside_the_rl_arm(
+        tmp_path: Path, suite: str, key: str, title: str) -> None:
     exp = Path(shutil.copytree(clean_experiment(), tmp_path / "exp"))
     arms = exp / "arms"
+    before = build_report(arms / "rloo")[key]  # no final evaluation on the suite yet
+    assert before.get("comparison", before)["measured"] is False
+    assert before.get("comparison", before)["what"] == f"RL final - frozen start ({title})"
     shutil.copy(arms / "frozen" / "traces" / "eval-start.jsonl",
-                arms / "frozen" / "traces" / "eval-start-family.jsonl")
+                arms / "frozen" / "traces" / f"eval-start-{suite}.jsonl")
     shutil.copy(arms / "rloo" / "traces" / "eval-final.jsonl",
-                arms / "rloo" / "traces" / "eval-final-family.jsonl")
-    family = build_report(exp / "arms" / "rloo")["family_disjoint"]
-    assert family["comparison"]["measured"] and family["comparison"]["estimate"] == 0.5
-    assert family["control"] == {"measured": False, "what": "shuffled-reward control",
-                                 "detail": "the shuffled arm was not evaluated on this suite"}
+                arms / "rloo" / "traces" / f"eval-final-{suite}.jsonl")
+    report = build_report(exp / "arms" / "rloo")
+    other = report[key]
+    assert other["comparison"]["measured"] and other["comparison"]["estimate"] == 0.5
+    assert other["control"] == {"measured": False, "what": "shuffled-reward control",
+                                "detail": "the shuffled arm was not evaluated on this suite"}
     shutil.copy(arms / "shuffled" / "traces" / "eval-final.jsonl",
-                arms / "shuffled" / "traces" / "eval-final-family.jsonl")
-    control = build_report(exp / "arms" / "rloo")["family_disjoint"]["control"]
+                arms / "shuffled" / "traces" / f"eval-final-{suite}.jsonl")
+    report = build_report(exp / "arms" / "rloo")
+    control = report[key]["control"]
     assert control["measured"] and control["estimate"] == 0.0
-    assert control["what"] == "shuffled final - frozen start (family-disjoint)"
+    assert control["what"] == f"shuffled final - frozen start ({title})"
+    table_id = "family-table" if suite == "family" else "train-table"
+    table = render_html(report).split(f'id="{table_id}"')[1].split("</table>")[0]
+    assert f"shuffled final - frozen start ({title})" in table
 
 
 def _in_ci() -> bool:

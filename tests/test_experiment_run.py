@@ -1,0 +1,64 @@
+"""The four-arm experiment run end to end on the tiny agent: every suite the config asks for
+is evaluated for the arms that answer it, and an arm finished before a suite was evaluated gets
+that evaluation on resume, without training again."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from closedloop.config import parse_config
+from closedloop.contracts.metrics_log import read_metrics
+from closedloop.evaluate.report import build_report
+from closedloop.experiment import SUITE_ARMS, run_experiment
+from tests.conftest import short_run_config
+
+pytestmark = pytest.mark.slow
+
+
+def _run(exp: Path, model: Path) -> dict[str, object]:
+    data = short_run_config(model, 1)
+    data["evaluation"]["cold_start_train_eval"] = True  # type: ignore[index]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return run_experiment(parse_config(data), exp)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _rl_steps(arm: Path) -> int:
+    return sum(1 for r in read_metrics(arm / "metrics.jsonl") if r["kind"] == "rl_step")
+
+
+def test_the_train_suite_is_compared_for_the_rl_arm_and_its_null_and_filled_in_on_resume(
+        tiny_agent_dir: Path, tmp_path: Path) -> None:
+    exp = tmp_path / "exp"
+    result = _run(exp, tiny_agent_dir)
+    suites = result["suites"]
+    assert isinstance(suites, dict) and set(suites) == {"heldout", "train"}
+    train = suites["train"]
+    assert set(train["arms"]) == set(SUITE_ARMS)
+    for name in ("rloo", "shuffled"):
+        diff = train["arms"][name]["diff_vs_frozen"]
+        assert diff["n_tasks"] == train["tasks"] == 2 and diff["lo"] <= diff["estimate"]
+        assert (exp / "arms" / name / "traces" / "eval-final-train.jsonl").is_file()
+    assert not (exp / "arms" / "sft_only" / "traces" / "eval-final-train.jsonl").exists()
+
+    report = build_report(exp / "arms" / "rloo")["in_distribution"]
+    assert report["comparison"]["what"] == "RL final - frozen start (train tasks, in distribution)"
+    assert report["comparison"]["estimate"] == train["arms"]["rloo"]["diff_vs_frozen"]["estimate"]
+    assert report["control"]["what"] == ("shuffled final - frozen start "
+                                         "(train tasks, in distribution)")
+
+    # An experiment directory written before the train suite was evaluated: the finished
+    # arms are evaluated on it when the experiment is run again, and train nothing more.
+    steps = {name: _rl_steps(exp / "arms" / name) for name in ("rloo", "shuffled")}
+    for name in ("rloo", "shuffled"):
+        (exp / "arms" / name / "traces" / "eval-final-train.jsonl").unlink()
+    again = _run(exp, tiny_agent_dir)
+    assert json.dumps(again["suites"], sort_keys=True) == json.dumps(suites, sort_keys=True)
+    assert {name: _rl_steps(exp / "arms" / name) for name in steps} == steps

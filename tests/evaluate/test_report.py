@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
-from closedloop.cli import main
+from closedloop.cli import _report_lines, main
 from closedloop.evaluate import gates as gates_pkg
 from closedloop.evaluate.gates import GATE_NAMES, Gate, GateReport
 from closedloop.evaluate.report import build_report, capability_claim, render_html, write_report
@@ -163,6 +163,9 @@ def test_each_other_suite_reports_the_shuffled_control_beside_the_rl_arm(
     table_id = "family-table" if suite == "family" else "train-table"
     table = render_html(report).split(f'id="{table_id}"')[1].split("</table>")[0]
     assert f"shuffled final - frozen start ({title})" in table
+    printed = "\n".join(_report_lines(write_report(arms / "rloo")[1]))
+    assert f"RL final - frozen start ({title}) = +0.500" in printed
+    assert f"shuffled final - frozen start ({title}) = +0.000" in printed
 
 
 def _in_ci() -> bool:

@@ -33,10 +33,6 @@ ARMS = ("frozen", "rloo", "shuffled", "sft_only")
 SHARED = ("sft/adapter.pt", "sft/result.json", "traces/sft-demos.jsonl",
           "traces/eval-start.jsonl", "traces/eval-start-family.jsonl",
           "traces/eval-start-train.jsonl", "traces/eval-retain-start.jsonl", "audit.json")
-SUITES = ("heldout", "family", "train")
-"""``heldout``: the template-disjoint suite; ``family``: families absent from training;
-``train``: the tasks RL draws its groups from (in distribution: what the gradient moved, not
-a capability claim)."""
 SUITE_ARMS = ("frozen", "rloo", "shuffled")
 """The arms evaluated on the family-disjoint and the train suites: each suite's comparison is RL
 final − frozen start, beside the shuffled-reward null on the same suite (a gain the null shares
@@ -60,6 +56,9 @@ def _eval_of(run_dir: Path, label: str, cfg: RunConfig, suite: str = "heldout") 
 
 
 def _suites(cfg: RunConfig) -> tuple[str, ...]:
+    """``heldout`` (the template-disjoint suite, every arm), then ``family`` (families absent
+    from training) and ``train`` (the tasks RL draws its groups from: what the gradient moved in
+    distribution, not a capability claim) where the config evaluates them."""
     return ("heldout", *final_suites(cfg))
 
 

@@ -265,19 +265,28 @@ def _report_lines(report_json: Path) -> list[str]:
     lines.append(f"zero-variance groups: observed {_fmt(zv['observed_rate'])} "
                  f"({zv['zero_variance']}/{zv['scored_groups']}), predicted "
                  f"{_fmt(zv['predicted_rate'])} (p^G + (1-p)^G)")
+    null: dict[str, Any] = next((a["rl_minus_null"] for a in (rep.get("arms") or {}).values()
+                                 if "rl_minus_null" in a), {})
+    if null.get("measured"):
+        lines.append(_paired_line("held-out, RL against its null", null))
     for section, title in (("family_disjoint", "family-disjoint"),
                            ("in_distribution", "in distribution")):
         suite = rep.get(section) or {}
-        for key in ("comparison", "control"):
+        for key in ("comparison", "control", "rl_minus_null"):
             c = suite.get(key) or {}
             if c.get("measured"):
-                lo, hi = c["ci"]
-                lines.append(f"{title}: {c['what']} = {c['estimate']:+.3f} "
-                             f"[{lo:+.3f}, {hi:+.3f}] over {c['tasks']} tasks")
+                lines.append(_paired_line(title, c))
             elif key == "control" and suite.get("comparison", {}).get("measured"):
                 lines.append(f"{title} control: not measured ({c.get('detail')})")
     lines.append(f"claim: {rep['claim']['statement']}")
     return lines
+
+
+def _paired_line(title: str, c: dict[str, Any]) -> str:
+    """One measured paired comparison of report.json, printed."""
+    lo, hi = c["ci"]
+    return (f"{title}: {c['what']} = {c['estimate']:+.3f} [{lo:+.3f}, {hi:+.3f}] over "
+            f"{c['tasks']} tasks")
 
 
 _SUITE_HEADINGS = {"family": "families never trained on",

@@ -95,6 +95,9 @@ def _arms(run: RunDir, seed: int) -> dict[str, Any]:
             f_label, f_summary = results[frozen]
             row["vs_frozen"] = _paired(summary, f_summary, seed,
                                        f"{name} {label} - {frozen} {f_label}")
+        if "shuffl" in name.lower():
+            row["rl_minus_null"] = _paired(eval_summary(run, "final"), summary, seed,
+                                           f"RL final - {name} {label}")
         out[name] = row
     return out
 
@@ -175,6 +178,8 @@ def suite_comparison(run: RunDir, seed: int, suite: str) -> dict[str, Any]:
                       if null is not None
                       else {"measured": False, "what": "shuffled-reward control",
                             "detail": "the shuffled arm was not evaluated on this suite"})
+    if null is not None:
+        out["rl_minus_null"] = _paired(final, null, seed, f"RL final - shuffled final ({title})")
     return out
 
 
@@ -385,7 +390,8 @@ def _heldout_html(report: Mapping[str, Any]) -> str:
             "tasks_scored", "episodes", "policy_version")
     rows = [[k, *[(c or {}).get(k) for _, c in cols]] for k in keys]
     paired = [report["heldout"]["final_minus_start"]]
-    paired += [a["vs_frozen"] for a in report["arms"].values() if "vs_frozen" in a]
+    paired += [a[key] for a in report["arms"].values()
+               for key in ("vs_frozen", "rl_minus_null") if key in a]
     prow = [[p["what"], p.get("estimate"), p.get("ci"), p.get("tasks"),
              p.get("detail", "")] for p in paired]
     bars = [(name, (c or {}).get("pass_at_1"), *((c or {}).get("pass_at_1_ci")
@@ -423,10 +429,11 @@ def _suite_html(fam: Mapping[str, Any], table_id: str) -> str:
     rows = [[c["what"], (fam["start"] or {}).get("pass_at_1"),
              (fam["final"] or {}).get("pass_at_1"), c.get("estimate"), c.get("ci"),
              c.get("tasks"), c.get("detail", "")]]
-    k = fam.get("control") or {}
-    if k:
-        rows.append([k.get("what"), (fam["start"] or {}).get("pass_at_1"), None,
-                     k.get("estimate"), k.get("ci"), k.get("tasks"), k.get("detail", "")])
+    for key in ("control", "rl_minus_null"):
+        k = fam.get(key) or {}
+        if k:
+            rows.append([k.get("what"), (fam["start"] or {}).get("pass_at_1"), None,
+                         k.get("estimate"), k.get("ci"), k.get("tasks"), k.get("detail", "")])
     return _table(["comparison", "start", "final", "estimate", "95% CI", "tasks", "note"],
                   rows, table_id)
 

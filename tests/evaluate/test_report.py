@@ -130,6 +130,9 @@ def test_experiment_report_states_gain_only_with_all_gates_and_ci(
     assert arms["shuffled"]["vs_frozen"]["estimate"] == 0.0
     assert arms["sft_only"]["vs_frozen"]["ci"] == [0.0, 0.0]
     assert arms["rloo"]["vs_frozen"]["ci"] == [0.5, 0.5]
+    assert arms["shuffled"]["rl_minus_null"]["what"] == "RL final - shuffled final"
+    assert arms["shuffled"]["rl_minus_null"]["estimate"] == 0.5
+    assert all("rl_minus_null" not in arms[n] for n in ("frozen", "rloo", "sft_only"))
     claim = data["claim"]
     assert claim["gain"] is True and claim["comparison"] == "RL final - frozen start"
     assert "+0.500" in claim["statement"]
@@ -163,9 +166,15 @@ def test_each_other_suite_reports_the_shuffled_control_beside_the_rl_arm(
     table_id = "family-table" if suite == "family" else "train-table"
     table = render_html(report).split(f'id="{table_id}"')[1].split("</table>")[0]
     assert f"shuffled final - frozen start ({title})" in table
+    attribution = report[key]["rl_minus_null"]  # the reward's share: RL against its null
+    assert attribution["what"] == f"RL final - shuffled final ({title})"
+    assert attribution["estimate"] == 0.5 and attribution["ci"] == [0.5, 0.5]
     printed = "\n".join(_report_lines(write_report(arms / "rloo")[1]))
     assert f"RL final - frozen start ({title}) = +0.500" in printed
     assert f"shuffled final - frozen start ({title}) = +0.000" in printed
+    assert f"RL final - shuffled final ({title}) = +0.500 [+0.500, +0.500]" in printed
+    assert ("held-out, RL against its null: RL final - shuffled final = +0.500 "
+            "[+0.500, +0.500]") in printed
 
 
 def _in_ci() -> bool:
@@ -187,6 +196,7 @@ def test_report_html_is_self_contained_and_renders_in_chromium(
     assert table.count(">PASS<") == len(GATE_NAMES) - 1
     for column in ("rloo final", "shuffled final", "sft_only final", "frozen start"):
         assert f"<th>{column}</th>" in text
+    assert "<td>RL final - shuffled final</td>" in text  # the held-out attribution row
     chromium = shutil.which("chromium")
     if chromium is None:
         if _in_ci():

@@ -315,12 +315,13 @@ def _run_replicates(cfg: Any, exp_dir: Path, args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     data = run_replicates(cfg, exp_dir, args.seeds, getattr(args, "override_config", None),
                           only=getattr(args, "only", None))
-    lines = ["", f"== {data['n']} replicates: RL arm minus frozen, per replicate and pooled =="]
+    lines = ["", f"== {data['n']} replicates: each arm minus frozen, and rloo minus its shuffled "
+                 "null, per replicate and pooled =="]
     for suite, arms in data["pooled"].items():
         for arm, entry in arms.items():
-            per = ", ".join(
-                f"r{p['replicate']} {_fmt((p['diff_vs_frozen'] or {}).get('estimate'))}"
-                for p in entry["per_replicate"])
+            key = f"diff_vs_{entry['baseline']}"
+            per = ", ".join(f"r{p['replicate']} {_fmt((p[key] or {}).get('estimate'))}"
+                            for p in entry["per_replicate"])
             pooled = entry.get("pooled") or {}
             lines.append(f"{suite:8} {arm:9} {per}; pooled {_fmt(pooled.get('estimate'))} "
                          f"[{_fmt(pooled.get('lo'))}, {_fmt(pooled.get('hi'))}]")

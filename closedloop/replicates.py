@@ -107,38 +107,57 @@ def _check_recorded_config(rep_dir: Path, cfg: RunConfig, override: str | None) 
                                "with --override-config REASON")
 
 
+NULL_PAIR = ("rloo", "shuffled")
+"""The RL arm against its shuffled-reward null: the reward's share of a change."""
+
+
 def pool_replicates(results: list[dict[str, Any]], seed: int = 0) -> dict[str, Any]:
-    """Per suite and arm: the effect per replicate and pooled over (replicate, task) units."""
+    """Per suite: each arm's effect against frozen, per replicate and pooled over (replicate,
+    task) units; and, where both ran, ``rloo-vs-shuffled`` (the RL arm against its null) the
+    same way. Each entry names its ``baseline``; its per-replicate rows carry
+    ``diff_vs_<baseline>``."""
     pooled: dict[str, Any] = {}
     suites = sorted({s for r in results for s in r.get("suites", {})})
     for suite in suites:
         pooled[suite] = {}
         suite_arms = [r.get("suites", {}).get(suite, {}).get("arms", {}) for r in results]
-        for arm in ARMS:
-            if arm == "frozen" or not any(arm in arms for arms in suite_arms):
-                continue  # the frozen baseline, or an arm this suite does not evaluate
-            treated: dict[str, list[float]] = {}
-            base: dict[str, list[float]] = {}
-            per_rep = []
-            for r, arms in zip(results, suite_arms, strict=True):
-                a, f = arms.get(arm, {}), arms.get("frozen", {})
-                frozen_tasks = f.get("per_task") or {}
-                for task, v in (a.get("per_task") or {}).items():
-                    if task in frozen_tasks:
-                        treated.setdefault(task, []).append(float(v))
-                        base.setdefault(task, []).append(float(frozen_tasks[task]))
-                per_rep.append({"replicate": r["replicate"], "success": a.get("success"),
-                                "frozen_success": f.get("success"),
-                                "diff_vs_frozen": a.get("diff_vs_frozen")})
-            complete = [t for t, v in treated.items() if len(v) == len(results)]
-            entry: dict[str, Any] = {"per_replicate": per_rep, "replicates_with_gain": sum(
-                1 for p in per_rep if (p["diff_vs_frozen"] or {}).get("lo", 0) > 0)}
-            if len(complete) >= 2:
-                ci = paired_bootstrap_ci({t: sum(treated[t]) / len(treated[t]) for t in complete},
-                                         {t: sum(base[t]) / len(base[t]) for t in complete},
-                                         seed=seed)
-                entry["pooled"] = {"estimate": ci.estimate, "lo": ci.lo, "hi": ci.hi,
-                                   "tasks": ci.n, "replicates": len(results),
-                                   "excludes_zero": ci.lo > 0 or ci.hi < 0}
-            pooled[suite][arm] = entry
+        pairs = [(arm, "frozen") for arm in ARMS if arm != "frozen"] + [NULL_PAIR]
+        for arm, baseline in pairs:
+            if not any(arm in arms and baseline in arms for arms in suite_arms):
+                continue  # an arm this suite does not evaluate
+            name = arm if baseline == "frozen" else f"{arm}-vs-{baseline}"
+            pooled[suite][name] = _pool_pair(results, suite_arms, arm, baseline, seed)
     return pooled
+
+
+def _pool_pair(results: list[dict[str, Any]], suite_arms: list[dict[str, Any]], arm: str,
+               baseline: str, seed: int) -> dict[str, Any]:
+    key = f"diff_vs_{baseline}"
+    treated: dict[str, list[float]] = {}
+    base: dict[str, list[float]] = {}
+    per_rep = []
+    for r, arms in zip(results, suite_arms, strict=True):
+        a, b = arms.get(arm, {}), arms.get(baseline, {})
+        a_tasks, b_tasks = a.get("per_task") or {}, b.get("per_task") or {}
+        common = sorted(set(a_tasks) & set(b_tasks))
+        for task in common:
+            treated.setdefault(task, []).append(float(a_tasks[task]))
+            base.setdefault(task, []).append(float(b_tasks[task]))
+        diff = a.get(key)
+        if diff is None and len(common) >= 2:
+            ci = paired_bootstrap_ci({t: a_tasks[t] for t in common},
+                                     {t: b_tasks[t] for t in common}, seed=seed)
+            diff = {"estimate": ci.estimate, "lo": ci.lo, "hi": ci.hi, "n_tasks": ci.n,
+                    "excludes_zero": ci.lo > 0 or ci.hi < 0}
+        per_rep.append({"replicate": r["replicate"], "success": a.get("success"),
+                        f"{baseline}_success": b.get("success"), key: diff})
+    complete = [t for t, v in treated.items() if len(v) == len(results)]
+    entry: dict[str, Any] = {"baseline": baseline, "per_replicate": per_rep,
+                             "replicates_with_gain": sum(
+                                 1 for p in per_rep if (p[key] or {}).get("lo", 0) > 0)}
+    if len(complete) >= 2:
+        ci = paired_bootstrap_ci({t: sum(treated[t]) / len(treated[t]) for t in complete},
+                                 {t: sum(base[t]) / len(base[t]) for t in complete}, seed=seed)
+        entry["pooled"] = {"estimate": ci.estimate, "lo": ci.lo, "hi": ci.hi, "tasks": ci.n,
+                           "replicates": len(results), "excludes_zero": ci.lo > 0 or ci.hi < 0}
+    return entry

@@ -141,6 +141,28 @@ def test_pooling_skips_arms_a_suite_does_not_evaluate():
     assert set(pooled) == {"rloo"}  # shuffled and sft_only were never evaluated here
 
 
+def test_the_rl_arm_is_pooled_against_its_shuffled_null_where_both_ran():
+    tasks = [f"t{i}" for i in range(6)]
+    reps = [_rep(i, dict.fromkeys(tasks, 0.0), dict.fromkeys(tasks, 2 / 3), lo=0.1)
+            for i in range(2)]
+    for r, null in zip(reps, (0.0, 1 / 3), strict=True):
+        r["suites"]["heldout"]["arms"]["shuffled"] = {
+            "success": null, "per_task": dict.fromkeys(tasks, null)}
+    pooled = pool_replicates(reps, seed=0)["heldout"]
+    assert set(pooled) == {"rloo", "shuffled", "rloo-vs-shuffled"}
+    pair = pooled["rloo-vs-shuffled"]
+    assert pair["baseline"] == "shuffled" and pooled["rloo"]["baseline"] == "frozen"
+    # per replicate: computed from the per-task rates (the experiment records none)
+    assert [p["diff_vs_shuffled"]["estimate"] for p in pair["per_replicate"]] == \
+        pytest.approx([2 / 3, 1 / 3])
+    assert [p["shuffled_success"] for p in pair["per_replicate"]] == [0.0, 1 / 3]
+    # pooled per task: rloo 2/3, shuffled 1/6
+    assert pair["pooled"]["estimate"] == pytest.approx(0.5) and pair["replicates_with_gain"] == 2
+    del reps[1]["suites"]["heldout"]["arms"]["shuffled"]  # one replicate without its null
+    pair = pool_replicates(reps, seed=0)["heldout"]["rloo-vs-shuffled"]
+    assert pair["per_replicate"][1]["diff_vs_shuffled"] is None and "pooled" not in pair
+
+
 def test_only_runs_the_chosen_replicates_and_pools_those_finished_elsewhere(tmp_path,
                                                                            monkeypatch):
     import json

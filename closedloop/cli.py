@@ -309,6 +309,21 @@ def _suite_lines(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _pooled_lines(pooled: dict[str, Any], per_replicate: bool) -> list[str]:
+    """One line per suite and pooled entry of replicates.json: its effect per replicate (if
+    asked) and pooled, with the interval."""
+    lines = []
+    for suite, arms in pooled.items():
+        for arm, entry in arms.items():
+            key = f"diff_vs_{entry['baseline']}"
+            per = ", ".join(f"r{p['replicate']} {_fmt((p[key] or {}).get('estimate'))}"
+                            for p in entry["per_replicate"]) + "; " if per_replicate else ""
+            pool = entry.get("pooled") or {}
+            lines.append(f"{suite:8} {arm:9} {per}pooled {_fmt(pool.get('estimate'))} "
+                         f"[{_fmt(pool.get('lo'))}, {_fmt(pool.get('hi'))}]")
+    return lines
+
+
 def _run_replicates(cfg: Any, exp_dir: Path, args: argparse.Namespace) -> int:
     from closedloop.replicates import pool_measured, run_replicates
 
@@ -317,14 +332,7 @@ def _run_replicates(cfg: Any, exp_dir: Path, args: argparse.Namespace) -> int:
                           only=getattr(args, "only", None))
     lines = ["", f"== {data['n']} replicates: each arm minus frozen, and rloo minus its shuffled "
                  "null, per replicate and pooled =="]
-    for suite, arms in data["pooled"].items():
-        for arm, entry in arms.items():
-            key = f"diff_vs_{entry['baseline']}"
-            per = ", ".join(f"r{p['replicate']} {_fmt((p[key] or {}).get('estimate'))}"
-                            for p in entry["per_replicate"])
-            pooled = entry.get("pooled") or {}
-            lines.append(f"{suite:8} {arm:9} {per}; pooled {_fmt(pooled.get('estimate'))} "
-                         f"[{_fmt(pooled.get('lo'))}, {_fmt(pooled.get('hi'))}]")
+    lines += _pooled_lines(data["pooled"], per_replicate=True)
     if data["missing"]:
         lines.append(f"not pooled (not run here, not found under {exp_dir}): replicates "
                      + ", ".join(map(str, data["missing"])))
@@ -339,11 +347,7 @@ def _run_replicates(cfg: Any, exp_dir: Path, args: argparse.Namespace) -> int:
         measured = data["measured_replicates"]
         lines.append(f"== pooled over the replicates whose gates all passed: "
                      f"{', '.join(map(str, measured)) or 'none'} ==")
-        for suite, arms in data["pooled_measured"].items():
-            for arm, entry in arms.items():
-                pooled = entry.get("pooled") or {}
-                lines.append(f"{suite:8} {arm:9} pooled {_fmt(pooled.get('estimate'))} "
-                             f"[{_fmt(pooled.get('lo'))}, {_fmt(pooled.get('hi'))}]")
+        lines += _pooled_lines(data["pooled_measured"], per_replicate=False)
         (exp_dir / "replicates.json").write_text(json.dumps(data, indent=2, sort_keys=True)
                                                  + "\n")
     lines.append(f"wall time: {(time.perf_counter() - t0) / 60:.1f} min")

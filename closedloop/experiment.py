@@ -154,13 +154,23 @@ def _arm_entry(summary: EvalSummary, base: dict[str, float], cfg: RunConfig,
                              "pass_hat_k": summary.pass_hat_k,
                              "invalid_action_rate": summary.invalid_action_rate,
                              "per_task": per_task}
-    common = sorted(set(per_task) & set(base))
-    if len(common) >= 2:
-        ci = paired_bootstrap_ci({t: per_task[t] for t in common},
-                                 {t: base[t] for t in common}, seed=cfg.training.seed)
-        entry["diff_vs_frozen"] = {"estimate": ci.estimate, "lo": ci.lo, "hi": ci.hi,
-                                   "n_tasks": ci.n, "excludes_zero": ci.lo > 0 or ci.hi < 0}
+    diff = paired_diff(per_task, base, cfg.training.seed)
+    if diff is not None:
+        entry["diff_vs_frozen"] = diff
     return entry
+
+
+def paired_diff(treated: dict[str, float], base: dict[str, float],
+                seed: int) -> dict[str, Any] | None:
+    """Per-task ``treated − base`` over the tasks scored in both, with its paired bootstrap
+    interval (``estimate``, ``lo``, ``hi``, ``n_tasks``, ``excludes_zero``); None below 2."""
+    common = sorted(set(treated) & set(base))
+    if len(common) < 2:
+        return None
+    ci = paired_bootstrap_ci({t: treated[t] for t in common}, {t: base[t] for t in common},
+                             seed=seed)
+    return {"estimate": ci.estimate, "lo": ci.lo, "hi": ci.hi, "n_tasks": ci.n,
+            "excludes_zero": ci.lo > 0 or ci.hi < 0}
 
 
 def summarize_experiment(cfg: RunConfig, arms: dict[str, Path], tokens: int) -> dict[str, Any]:

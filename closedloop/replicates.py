@@ -33,7 +33,7 @@ from typing import Any
 from closedloop.config import RunConfig
 from closedloop.errors import ConfigDriftError
 from closedloop.evaluate.stats import paired_bootstrap_ci
-from closedloop.experiment import ARMS, run_experiment
+from closedloop.experiment import ARMS, paired_diff, run_experiment
 from closedloop.progress import log
 from closedloop.run_integrity import recorded_config_differences
 
@@ -143,12 +143,7 @@ def _pool_pair(results: list[dict[str, Any]], suite_arms: list[dict[str, Any]], 
         for task in common:
             treated.setdefault(task, []).append(float(a_tasks[task]))
             base.setdefault(task, []).append(float(b_tasks[task]))
-        diff = a.get(key)
-        if diff is None and len(common) >= 2:
-            ci = paired_bootstrap_ci({t: a_tasks[t] for t in common},
-                                     {t: b_tasks[t] for t in common}, seed=seed)
-            diff = {"estimate": ci.estimate, "lo": ci.lo, "hi": ci.hi, "n_tasks": ci.n,
-                    "excludes_zero": ci.lo > 0 or ci.hi < 0}
+        diff = a.get(key) or paired_diff(a_tasks, b_tasks, seed)
         per_rep.append({"replicate": r["replicate"], "success": a.get("success"),
                         f"{baseline}_success": b.get("success"), key: diff})
     complete = [t for t, v in treated.items() if len(v) == len(results)]

@@ -79,7 +79,7 @@ def _paired(a: EvalSummary | None, b: EvalSummary | None, seed: int,
             "ci": [ci.lo, ci.hi], "n_boot": ci.n_boot, "alpha": ci.alpha}
 
 
-def _arms(run: RunDir, seed: int) -> dict[str, Any]:
+def _arms(run: RunDir, seed: int, final: EvalSummary | None) -> dict[str, Any]:
     """Each arm's held-out result (final, or start for the never-updated frozen arm) and its
     paired difference from the frozen arm."""
     exp = experiment_of(run.path)
@@ -96,8 +96,7 @@ def _arms(run: RunDir, seed: int) -> dict[str, Any]:
             row["vs_frozen"] = _paired(summary, f_summary, seed,
                                        f"{name} {label} - {frozen} {f_label}")
         if "shuffl" in name.lower():
-            row["rl_minus_null"] = _paired(eval_summary(run, "final"), summary, seed,
-                                           f"RL final - {name} {label}")
+            row["rl_minus_null"] = _paired(final, summary, seed, f"RL final - {name} {label}")
         out[name] = row
     return out
 
@@ -285,7 +284,7 @@ def build_report(run_dir: str | Path, gates: GateReport | None = None,
     gates = gates if gates is not None else evaluate_gates(run_dir, options)
     seed = int(run.section("training").get("seed", 0))
     start, final = eval_summary(run, "start"), eval_summary(run, "final")
-    arms = _arms(run, seed)
+    arms = _arms(run, seed, final)
     frozen = next((a for n, a in sorted(arms.items()) if "frozen" in n.lower()), None)
     comparison = _paired(final, start, seed, "final - start")
     if frozen is not None and frozen["result"] is not None:
@@ -422,17 +421,17 @@ def _training_html(report: Mapping[str, Any]) -> str:
             + _img(plot_learning_curves(tr["learning_curves"]), "learning curves"))
 
 
-def _suite_html(fam: Mapping[str, Any], table_id: str) -> str:
-    if fam.get("measured") is False:
-        return f"<p>{_fmt(fam.get('detail'))}.</p>"
-    c = fam["comparison"]
-    rows = [[c["what"], (fam["start"] or {}).get("pass_at_1"),
-             (fam["final"] or {}).get("pass_at_1"), c.get("estimate"), c.get("ci"),
+def _suite_html(suite: Mapping[str, Any], table_id: str) -> str:
+    if suite.get("measured") is False:
+        return f"<p>{_fmt(suite.get('detail'))}.</p>"
+    c = suite["comparison"]
+    rows = [[c["what"], (suite["start"] or {}).get("pass_at_1"),
+             (suite["final"] or {}).get("pass_at_1"), c.get("estimate"), c.get("ci"),
              c.get("tasks"), c.get("detail", "")]]
     for key in ("control", "rl_minus_null"):
-        k = fam.get(key) or {}
+        k = suite.get(key) or {}
         if k:
-            rows.append([k.get("what"), (fam["start"] or {}).get("pass_at_1"), None,
+            rows.append([k.get("what"), (suite["start"] or {}).get("pass_at_1"), None,
                          k.get("estimate"), k.get("ci"), k.get("tasks"), k.get("detail", "")])
     return _table(["comparison", "start", "final", "estimate", "95% CI", "tasks", "note"],
                   rows, table_id)

@@ -325,34 +325,38 @@ def _pooled_lines(pooled: dict[str, Any], per_replicate: bool) -> list[str]:
 
 
 def _run_replicates(cfg: Any, exp_dir: Path, args: argparse.Namespace) -> int:
-    from closedloop.replicates import pool_measured, run_replicates
+    from closedloop.replicates import run_replicates
 
     t0 = time.perf_counter()
     data = run_replicates(cfg, exp_dir, args.seeds, getattr(args, "override_config", None),
-                          only=getattr(args, "only", None))
+                          only=getattr(args, "only", None), claim_of=_report_claim)
     lines = ["", f"== {data['n']} replicates: each arm minus frozen, and rloo minus its shuffled "
                  "null, per replicate and pooled =="]
     lines += _pooled_lines(data["pooled"], per_replicate=True)
     if data["missing"]:
         lines.append(f"not pooled (not run here, not found under {exp_dir}): replicates "
                      + ", ".join(map(str, data["missing"])))
-    claims: dict[int, dict[str, Any]] = {}
-    for i in sorted(r["replicate"] for r in data["replicates"]):
-        report = _write_report(exp_dir / f"replicate-{i}")
-        if report:
-            claims[i] = json.loads(report.with_suffix(".json").read_text("utf-8"))["claim"]
-            lines.append(f"replicate {i}: {claims[i]['statement']} ({report})")
+    claims = data.get("claims", {})
+    for i in sorted(claims, key=int):
+        lines.append(f"replicate {i}: {claims[i]['statement']} "
+                     f"({exp_dir / f'replicate-{i}' / 'report.html'})")
     if claims:
-        pool_measured(data, claims, seed=cfg.training.seed)
         measured = data["measured_replicates"]
         lines.append(f"== pooled over the replicates whose gates all passed: "
                      f"{', '.join(map(str, measured)) or 'none'} ==")
         lines += _pooled_lines(data["pooled_measured"], per_replicate=False)
-        (exp_dir / "replicates.json").write_text(json.dumps(data, indent=2, sort_keys=True)
-                                                 + "\n")
     lines.append(f"wall time: {(time.perf_counter() - t0) / 60:.1f} min")
     _print(data, args.json, "\n".join(lines))
     return 0
+
+
+def _report_claim(rep_dir: Path) -> dict[str, Any] | None:
+    """Write a replicate's report; return its claim (None where reports cannot be built)."""
+    report = _write_report(rep_dir)
+    if report is None:
+        return None
+    claim: dict[str, Any] = json.loads(report.with_suffix(".json").read_text("utf-8"))["claim"]
+    return claim
 
 
 def _fmt(x: float | None) -> str:

@@ -26,7 +26,7 @@ from closedloop.errors import RunStateError
 from closedloop.evaluate.heldout import EvalSummary, summarize_eval
 from closedloop.evaluate.stats import paired_bootstrap_ci
 from closedloop.loop import evaluate_start, final_suites, opened_run, train
-from closedloop.policy.registry import version_name
+from closedloop.policy.registry import atomic_write_bytes, version_name
 from closedloop.progress import log
 
 ARMS = ("frozen", "rloo", "shuffled", "sft_only")
@@ -142,19 +142,23 @@ def run_experiment(cfg: RunConfig, exp_dir: str | Path,
     _sft_only(cfg, arms["sft_only"], tokens, config_override)
     result = summarize_experiment(cfg, arms, tokens)
     result["wall_s_this_launch"] = time.perf_counter() - t0
-    (root / "experiment.json").write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    # replicates treat an existing experiment.json as a finished replicate: never half-written
+    atomic_write_bytes(root / "experiment.json",
+                       (json.dumps(result, indent=2, sort_keys=True) + "\n").encode())
     return result
 
 
-def _arm_entry(summary: EvalSummary, base: dict[str, float], cfg: RunConfig,
+def _arm_entry(summary: EvalSummary, base: dict[str, float] | None, cfg: RunConfig,
                path: Path) -> dict[str, Any]:
+    """One arm's success on a suite; ``diff_vs_frozen`` against ``base`` (the frozen arm's
+    per-task success) unless ``base`` is None (the frozen arm itself)."""
     per_task = summary.per_task_success()
     entry: dict[str, Any] = {"run_dir": str(path), "success": summary.pass_at_1,
                              "success_ci": summary.pass_at_1_ci,
                              "pass_hat_k": summary.pass_hat_k,
                              "invalid_action_rate": summary.invalid_action_rate,
                              "per_task": per_task}
-    diff = paired_diff(per_task, base, cfg.training.seed)
+    diff = None if base is None else paired_diff(per_task, base, cfg.training.seed)
     if diff is not None:
         entry["diff_vs_frozen"] = diff
     return entry
@@ -188,7 +192,8 @@ def summarize_experiment(cfg: RunConfig, arms: dict[str, Path], tokens: int) -> 
         names = ARMS if suite == "heldout" else SUITE_ARMS
         entries = {name: _arm_entry(frozen if name == "frozen"
                                     else _eval_of(arms[name], "final", cfg, suite),
-                                    base, cfg, arms[name]) for name in names}
+                                    None if name == "frozen" else base, cfg, arms[name])
+                   for name in names}
         out["suites"][suite] = {"tasks": len(base), "arms": entries}
     out["arms"] = out["suites"]["heldout"]["arms"]
     out["heldout_tasks"] = out["suites"]["heldout"]["tasks"]

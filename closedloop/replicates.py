@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from closedloop.config import RunConfig
 from closedloop.errors import ConfigDriftError
 from closedloop.evaluate.stats import paired_bootstrap_ci
 from closedloop.experiment import ARMS, paired_diff, run_experiment
+from closedloop.policy.registry import atomic_write_bytes
 from closedloop.progress import log
 from closedloop.run_integrity import recorded_config_differences
 
@@ -45,10 +47,16 @@ def replicate_config(cfg: RunConfig, index: int) -> RunConfig:
 
 def run_replicates(cfg: RunConfig, root: str | Path, n: int,
                    config_override: str | None = None,
-                   only: list[int] | None = None) -> dict[str, Any]:
+                   only: list[int] | None = None,
+                   claim_of: Callable[[Path], dict[str, Any] | None] | None = None
+                   ) -> dict[str, Any]:
     """Run (or resume) ``n`` replicates under ``root/replicate-<i>`` (``only``: just these
-    indices, pooling the others found finished on disk); write replicates.json
-    (``config_override``: the declared reason for a config that differs from the recorded one)."""
+    indices, pooling the others found finished on disk); write replicates.json once, atomically
+    (``config_override``: the declared reason for a config that differs from the recorded one).
+
+    ``claim_of(replicate_dir)`` (the CLI passes one that writes the replicate's report) returns
+    that replicate's claim, or None; with it the claims and ``pool_measured`` are in the file.
+    """
     if n < 1:
         raise ValueError(f"--seeds must be >= 1, got {n}")
     bad = sorted(i for i in (only or []) if not 0 <= i < n)
@@ -76,7 +84,13 @@ def run_replicates(cfg: RunConfig, root: str | Path, n: int,
         results.append(result)
     pooled = pool_replicates(results, seed=cfg.training.seed)
     data = {"replicates": results, "pooled": pooled, "n": n, "missing": missing}
-    (out_dir / "replicates.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    if claim_of is not None:
+        claims = {r["replicate"]: claim_of(out_dir / f"replicate-{r['replicate']}")
+                  for r in results}
+        pool_measured(data, {i: c for i, c in claims.items() if c is not None},
+                      seed=cfg.training.seed)
+    atomic_write_bytes(out_dir / "replicates.json",
+                       (json.dumps(data, indent=2, sort_keys=True) + "\n").encode())
     return data
 
 

@@ -47,6 +47,8 @@ def test_the_train_suite_is_compared_for_the_rl_arm_and_its_null_and_filled_in_o
         assert diff["n_tasks"] == train["tasks"] == 2 and diff["lo"] <= diff["estimate"]
         assert (exp / "arms" / name / "traces" / "eval-final-train.jsonl").is_file()
     assert not (exp / "arms" / "sft_only" / "traces" / "eval-final-train.jsonl").exists()
+    for suite in suites.values():  # the frozen arm is the baseline, never compared to itself
+        assert "diff_vs_frozen" not in suite["arms"]["frozen"]
 
     report = build_report(exp / "arms" / "rloo")["in_distribution"]
     assert report["comparison"]["what"] == "RL final - frozen start (train tasks, in distribution)"

@@ -295,3 +295,38 @@ def test_the_experiment_printout_names_each_other_suite_with_its_arms() -> None:
     assert lines[4] == "frozen    success 0.250"
     assert lines[5] == "rloo      success 0.500  diff 0.250 [0.000, 0.500]"
     assert _suite_lines({"suites": {"heldout": suites["heldout"]}}) == []
+
+
+def test_replicates_json_is_written_once_with_each_replicates_claim(tmp_path, monkeypatch):
+    import json
+
+    import closedloop.replicates as replicates
+
+    tasks = [f"t{i}" for i in range(4)]
+    written: list[bytes] = []
+    real_write = replicates.atomic_write_bytes
+
+    def recording_write(path, data):
+        written.append(data)
+        real_write(path, data)
+
+    def fake_experiment(cfg, out, override=None):
+        i = cfg.training.seed - smoke_config().training.seed
+        return _rep(i, dict.fromkeys(tasks, 0.0), dict.fromkeys(tasks, 0.5 * (1 - i)), lo=0.1)
+
+    monkeypatch.setattr(replicates, "run_experiment", fake_experiment)
+    monkeypatch.setattr(replicates, "atomic_write_bytes", recording_write)
+    seen: list[str] = []
+
+    def claim_of(rep_dir):
+        seen.append(rep_dir.name)
+        return {"all_gates_passed": rep_dir.name == "replicate-0", "statement": rep_dir.name}
+
+    data = replicates.run_replicates(smoke_config(), tmp_path, 2, claim_of=claim_of)
+    assert seen == ["replicate-0", "replicate-1"] and len(written) == 1
+    on_disk = json.loads((tmp_path / "replicates.json").read_text())
+    assert on_disk == json.loads(json.dumps(data))
+    assert on_disk["measured_replicates"] == [0] and set(on_disk["claims"]) == {"0", "1"}
+    assert on_disk["pooled_measured"]["heldout"]["rloo"]["pooled"]["estimate"] == \
+        pytest.approx(0.5)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []

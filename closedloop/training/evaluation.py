@@ -4,13 +4,26 @@ generator/trainer log-prob audit at the frozen checkpoint."""
 
 from __future__ import annotations
 
-from closedloop.contracts import PolicyManifest, content_hash, load_episodes
+import os
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+from closedloop.contracts import Episode, PolicyManifest, content_hash, load_episodes
 from closedloop.errors import ConsistencyGateError, EnvPackageError, UnknownNameError
 from closedloop.evaluate.heldout import EvalSummary, summarize_eval
 from closedloop.evaluate.retain import summarize_suites
 from closedloop.learn.audit import AuditResult, audit_logprobs, audit_tolerances
 from closedloop.progress import log
 from closedloop.training.policy import RunPolicy
+
+EVAL_CHUNK_EPISODES = 48
+"""An evaluation collects at most this many episodes at once. Its episodes decode in lockstep,
+each holding its KV cache (~40 MB for a SmolLM2 episode of 900 ids, fp32), so a 16-task ×
+24-attempt evaluation (384 episodes) runs as eight collections; each is kept on disk as it
+ends, and a resumed run collects only the chunks it lacks. Every episode samples from its own
+random stream, so chunking changes no episode's uniforms (in bf16 a smaller batch's logits can
+differ in their last bits, as any change of batch composition does)."""
 
 
 class RunEvaluation(RunPolicy):
@@ -43,12 +56,41 @@ class RunEvaluation(RunPolicy):
         if path.is_file():
             episodes = load_episodes(path)[1]
         else:
-            collected = self._collect(self.model_source(manifest), manifest, path, groups,
-                                      f"eval {name}")
-            episodes = [ep for g in collected for ep in g.episodes]
+            episodes = self._collect_in_chunks(manifest, path, groups, f"eval {name}")
         summary = summarize_eval(episodes, k=attempts, seed=self.cfg.training.seed)
         self.log_metrics("eval", {"label": name, "suite": suite, **summary.to_dict()})
         return summary
+
+    def _collect_in_chunks(self, manifest: PolicyManifest, path: Path,
+                           groups: Sequence[tuple[str, str, int, int]], desc: str
+                           ) -> list[Episode]:
+        """Collect evaluation groups (one episode each) into the trace ``path``, at most
+        ``EVAL_CHUNK_EPISODES`` at a time. Above that, chunk k is first written to
+        ``traces/.chunks/<path stem>/k.jsonl`` (reused on resume), then the chunks are joined
+        into ``path`` in order (atomically) and removed."""
+        if len(groups) <= EVAL_CHUNK_EPISODES:
+            collected = self._collect(self.model_source(manifest), manifest, path, groups, desc)
+            return [ep for g in collected for ep in g.episodes]
+        chunk_dir = path.parent / ".chunks" / path.stem
+        starts = range(0, len(groups), EVAL_CHUNK_EPISODES)
+        parts = []
+        for k, start in enumerate(starts):
+            part = chunk_dir / f"{k:03d}.jsonl"
+            if not part.is_file():
+                chunk_dir.mkdir(parents=True, exist_ok=True)
+                self._collect(self.model_source(manifest), manifest, part,
+                              groups[start:start + EVAL_CHUNK_EPISODES],
+                              f"{desc} ({k + 1}/{len(starts)})")
+            parts.append(part)
+        joined = path.with_suffix(".partial")
+        with open(joined, "wb") as out:
+            for part in parts:
+                out.write(part.read_bytes())
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(joined, path)
+        shutil.rmtree(chunk_dir)
+        return list(load_episodes(path)[1])
 
     def seed_sampler(self, summary: EvalSummary) -> None:
         """Give the difficulty-band sampler the cold start's per-task outcomes on the train

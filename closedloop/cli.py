@@ -216,6 +216,37 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     return _run_experiment(load_config(args.config), args)
 
 
+def cmd_reevaluate(args: argparse.Namespace) -> int:
+    """More attempts per task for finished policies, paired and pooled with their own
+    evaluations (``closedloop.reevaluate``)."""
+    from closedloop.reevaluate import reevaluate, reevaluate_experiment
+
+    runs = [Path(p) for p in args.runs]
+    if args.baseline:
+        result = reevaluate(Path(args.baseline), runs, args.attempts, args.suite)
+    elif len(runs) == 1:
+        result = reevaluate_experiment(runs[0], args.attempts, args.suite)
+    else:
+        raise SystemExit("several runs need --baseline (a frozen arm at v0000)")
+    lines = ["", f"== {result['suite']} suite: {args.attempts} more attempts per task, pooled "
+                 "with each policy's own evaluation (paired by each episode's stream) =="]
+    for name, run in result["runs"].items():
+        lo, hi = run["attempts_per_task"]
+        lines.append(f"{name:12} {run['version']} success {_fmt(run['success'])} over "
+                     f"{run['episodes']} episodes ({lo}-{hi} scored attempts per task)")
+    for d in result["diffs"]:
+        if d["estimate"] is None:
+            lines.append(f"{d['treated']} - {d['baseline']}: fewer than 2 common tasks")
+            continue
+        lines.append(f"{d['treated']} - {d['baseline']}: {d['estimate']:+.3f} "
+                     f"[{d['lo']:+.3f}, {d['hi']:+.3f}] over {d['n_tasks']} tasks"
+                     + (" (CI excludes 0)" if d["excludes_zero"] else ""))
+    if "written_to" in result:
+        lines.append(f"written to {result['written_to']}")
+    _print(result, args.json, "\n".join(lines))
+    return 0
+
+
 def _run_experiment(cfg: Any, args: argparse.Namespace) -> int:
     from closedloop.experiment import run_experiment
 
@@ -498,7 +529,18 @@ def _add_run_commands(sub: _Subcommands) -> list[argparse.ArgumentParser]:
                          "found finished under the run dir")
     sm.add_argument("--override-config", metavar="REASON", help=OVERRIDE_HELP)
     sm.set_defaults(fn=cmd_smoke)
-    return [tr, ex, sm]
+    rv = sub.add_parser("reevaluate", help="more evaluation attempts for finished policies "
+                        "(an experiment's frozen, rloo and shuffled arms), paired and pooled")
+    rv.add_argument("runs", nargs="+", metavar="DIR",
+                    help="an experiment directory, or with --baseline the finished runs to "
+                         "compare with it")
+    rv.add_argument("--baseline", metavar="DIR",
+                    help="a run at v0000 (a frozen arm): its start policy is the baseline")
+    rv.add_argument("--attempts", type=int, required=True, metavar="N",
+                    help="attempts per task to add (seeds 1000..1000+N-1)")
+    rv.add_argument("--suite", choices=["heldout", "family", "train"], default="heldout")
+    rv.set_defaults(fn=cmd_reevaluate)
+    return [tr, ex, sm, rv]
 
 
 def _add_run_dir_commands(sub: _Subcommands) -> list[argparse.ArgumentParser]:

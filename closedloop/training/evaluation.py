@@ -39,15 +39,20 @@ class RunEvaluation(RunPolicy):
             raise UnknownNameError("evaluation suite", suite, tasks)
         return list(tasks[suite])
 
-    def evaluate(self, label: str, manifest: PolicyManifest,
-                 suite: str = "heldout") -> EvalSummary:
+    def evaluate(self, label: str, manifest: PolicyManifest, suite: str = "heldout",
+                 seeds: Sequence[int] | None = None) -> EvalSummary:
         """Evaluate ``manifest`` on a suite (``suite_tasks``): on ``heldout`` and ``family``,
         ``attempts_per_task`` attempts per task over the seeds; on ``train``, one attempt per task
-        with the first seed. The trace is ``eval-<label>`` for ``heldout`` and
-        ``eval-<label>-<suite>`` otherwise; an existing trace is reused (resume)."""
+        with the first seed; with ``seeds`` given, one attempt per task and seed (more
+        evaluation of a finished policy, ``closedloop.reevaluate``). The trace is
+        ``eval-<label>`` for ``heldout`` and ``eval-<label>-<suite>`` otherwise; an existing
+        trace is reused (resume)."""
         ev = self.cfg.evaluation
-        attempts = 1 if suite == "train" else ev.attempts_per_task
-        seeds = list(ev.seeds)[:attempts]
+        if seeds is not None:
+            seeds, attempts = list(seeds), len(seeds)
+        else:
+            attempts = 1 if suite == "train" else ev.attempts_per_task
+            seeds = list(ev.seeds)[:attempts]
         name = label if suite == "heldout" else f"{label}-{suite}"
         self.generator.rng.manual_seed(int(content_hash(["eval", name])[7:15], 16))
         groups = [(f"eval-{name}-{i:03d}-s{seed}", task, seed, 1)

@@ -1,0 +1,152 @@
+"""More evaluation of finished runs: the same policies, more attempts per task.
+
+A paired interval from 16 held-out tasks × 3 attempts is about ±0.12 wide, so a smaller effect
+is not resolved by a smoke's own evaluation. ``reevaluate`` gives policies already trained more
+attempts, without training again: the baseline run's start policy (v0000: an experiment's
+frozen cold start) and each treated run's final policy are evaluated on ``attempts`` more
+attempts per task of a suite, with seeds ``EXTRA_SEED_BASE + j`` (j < attempts), and pooled
+with each run's own evaluation of that policy:
+
+    s_run(t) = successes / scored attempts of task t, over all its attempts
+    Δ(a, b)  = mean_t [ s_a(t) − s_b(t) ]     over the tasks scored in both,
+
+with a 95% paired percentile-bootstrap interval over tasks. The runs must share
+``training.seed`` and the suite's tasks: every episode samples from its own stream keyed by
+that seed, the task, the evaluation seed and the sibling, so the attempts are paired draw for
+draw across runs. Each run keeps its new evaluation (``traces/eval-more<N>[-<suite>].jsonl``,
+collected and resumed chunk by chunk); an experiment's claim and gates stay those of its
+preregistered evaluation, and this one is reported beside it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from closedloop.config import RunConfig, parse_config
+from closedloop.contracts import Episode, load_episodes
+from closedloop.errors import ConfigDriftError, RunStateError
+from closedloop.evaluate.heldout import summarize_eval
+from closedloop.experiment import paired_diff
+from closedloop.loop import opened_run
+from closedloop.policy.registry import atomic_write_bytes, version_name
+from closedloop.progress import log
+
+EXTRA_SEED_BASE = 1000
+SUITES = ("heldout", "family", "train")
+
+
+def extra_seeds(attempts: int) -> list[int]:
+    """The evaluation seeds of ``attempts`` more attempts: ``EXTRA_SEED_BASE + j``."""
+    if attempts < 1:
+        raise ValueError(f"--attempts must be >= 1, got {attempts}")
+    return [EXTRA_SEED_BASE + j for j in range(attempts)]
+
+
+def recorded_config(run_dir: Path) -> RunConfig:
+    """The config a run directory recorded (``config.json``)."""
+    path = run_dir / "config.json"
+    try:
+        return parse_config(json.loads(path.read_text("utf-8"))["config"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigDriftError(path, f"cannot read the recorded config ({exc!r})",
+                               "reevaluate a complete run directory") from None
+
+
+def _trace_name(label: str, suite: str) -> str:
+    return f"eval-{label}.jsonl" if suite == "heldout" else f"eval-{label}-{suite}.jsonl"
+
+
+def evaluate_more(run_dir: Path, attempts: int, suite: str, baseline: bool) -> dict[str, Any]:
+    """Evaluate one run's policy on ``attempts`` more attempts per task of ``suite``; pool them
+    with the run's own evaluation of that policy. ``baseline``: the start policy (the run must
+    be at v0000, as an experiment's frozen arm is); else the final one (the run must be
+    finished). Returns the run's pooled per-task success and what was pooled."""
+    if suite not in SUITES:
+        raise ValueError(f"--suite must be one of {SUITES}, got {suite!r}")
+    cfg = recorded_config(run_dir)
+    seeds = extra_seeds(attempts)
+    clash = sorted(set(seeds) & set(cfg.evaluation.seeds))
+    if clash:
+        raise ConfigDriftError(run_dir / "config.json",
+                               f"evaluation.seeds {clash} are also extra-attempt seeds",
+                               f"evaluation seeds below {EXTRA_SEED_BASE} leave room for these")
+    own = "start" if baseline else "final"
+    own_trace = run_dir / "traces" / _trace_name(own, suite)
+    if not own_trace.is_file():
+        raise RunStateError(own_trace, f"the run has no {own} evaluation on the {suite} suite",
+                            "finish the run (or its experiment) first")
+    label = f"more{attempts}"
+    with opened_run(cfg, run_dir) as run:
+        run.resume()
+        expected = 0 if baseline else cfg.training.rl_steps
+        if run.step != expected:
+            what = "the baseline's start policy" if baseline else "the final policy"
+            raise RunStateError(run_dir / "checkpoints", f"the run is at step {run.step}; "
+                                f"{what} is v{expected:04d}",
+                                "pass a frozen arm as the baseline and finished runs to compare"
+                                if baseline else "finish the run first")
+        manifest = run.registry.manifest(version_name(run.step))
+        log(f"reevaluate: {run_dir} {manifest.policy_version}, {attempts} more attempts "
+            f"per {suite} task")
+        run.evaluate(label, manifest, suite=suite, seeds=seeds)
+    episodes: list[Episode] = list(load_episodes(own_trace)[1])
+    episodes += load_episodes(run_dir / "traces" / _trace_name(label, suite))[1]
+    summary = summarize_eval(episodes, k=1, seed=cfg.training.seed)
+    scored = [t.n for t in summary.tasks]
+    return {"run_dir": str(run_dir), "version": manifest.policy_version,
+            "training_seed": cfg.training.seed, "success": summary.pass_at_1,
+            "episodes": len(episodes), "attempts_per_task": [min(scored), max(scored)],
+            "traces": [own_trace.name, _trace_name(label, suite)],
+            "per_task": summary.per_task_success()}
+
+
+def reevaluate(baseline: Path, treated: Sequence[Path], attempts: int,
+               suite: str = "heldout") -> dict[str, Any]:
+    """The baseline's start policy and each treated run's final policy, each with ``attempts``
+    more attempts (module doc); the paired difference of every treated run from the baseline,
+    and of each earlier-listed treated run from each later one (an experiment: rloo − shuffled).
+    """
+    names = [baseline.name, *(p.name for p in treated)]
+    if len(set(names)) != len(names):
+        raise ValueError(f"runs must have distinct directory names, got {names}")
+    seeds = {p: recorded_config(p).training.seed for p in [baseline, *treated]}
+    if len(set(seeds.values())) != 1:
+        found = sorted(set(seeds.values()))
+        raise ConfigDriftError(baseline / "config.json",
+                               f"training.seed differs across the runs ({found})",
+                               "compare runs of one replicate: their attempts are paired only "
+                               "when every episode's stream is keyed by the same seed")
+    runs = {baseline.name: evaluate_more(baseline, attempts, suite, baseline=True)}
+    for path in treated:
+        runs[path.name] = evaluate_more(path, attempts, suite, baseline=False)
+    seed = next(iter(seeds.values()))
+    order = [p.name for p in treated]
+    pairs = [(a, baseline.name) for a in order] + [
+        (a, b) for i, a in enumerate(order) for b in order[i + 1:]]
+    diffs = []
+    for a, b in pairs:
+        diff = paired_diff(runs[a]["per_task"], runs[b]["per_task"], seed)
+        diffs.append({"treated": a, "baseline": b, **(diff or {"estimate": None})})
+    return {"suite": suite, "attempts_added": attempts,
+            "seeds": [EXTRA_SEED_BASE, EXTRA_SEED_BASE + attempts - 1],
+            "baseline": baseline.name, "runs": runs, "diffs": diffs}
+
+
+def reevaluate_experiment(exp_dir: Path, attempts: int, suite: str = "heldout"
+                          ) -> dict[str, Any]:
+    """``reevaluate`` an experiment directory's frozen arm (baseline) against its finished RL
+    arm and shuffled-reward null; the result is also written to
+    ``reevaluation-<suite>-more<attempts>.json`` there (atomically)."""
+    arms = exp_dir / "arms"
+    treated = [arms / name for name in ("rloo", "shuffled") if (arms / name).is_dir()]
+    if not (arms / "frozen").is_dir() or not treated:
+        raise RunStateError(arms, "no frozen arm and RL arm to compare",
+                            "pass an experiment directory (closedloop experiment/smoke)")
+    result = reevaluate(arms / "frozen", treated, attempts, suite)
+    out = exp_dir / f"reevaluation-{suite}-more{attempts}.json"
+    atomic_write_bytes(out, (json.dumps(result, indent=2, sort_keys=True) + "\n").encode())
+    result["written_to"] = str(out)
+    return result

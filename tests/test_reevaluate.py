@@ -1,0 +1,84 @@
+"""``closedloop reevaluate``: more attempts for an experiment's finished policies, pooled with
+their own evaluations and paired across arms, without training again; runs that cannot be
+paired or are not finished are refused with the file and the reason."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from closedloop.cli import main
+from closedloop.config import parse_config
+from closedloop.contracts import load_episodes
+from closedloop.contracts.metrics_log import read_metrics
+from closedloop.errors import ConfigDriftError, RunStateError
+from closedloop.evaluate.report import build_report
+from closedloop.experiment import run_experiment
+from closedloop.reevaluate import EXTRA_SEED_BASE, reevaluate
+from tests.conftest import HELDOUT_TASKS, short_run_config
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture()
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _rl_steps(arm: Path) -> int:
+    return sum(1 for r in read_metrics(arm / "metrics.jsonl") if r["kind"] == "rl_step")
+
+
+def test_more_attempts_are_pooled_with_each_arms_own_evaluation_and_paired(
+        tiny_agent_dir: Path, tmp_path: Path, one_thread: None,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    exp = tmp_path / "exp"
+    run_experiment(parse_config(short_run_config(tiny_agent_dir, 1)), exp)
+    steps = {arm: _rl_steps(exp / "arms" / arm) for arm in ("rloo", "shuffled")}
+    claim = build_report(exp)["claim"]
+
+    assert main(["reevaluate", str(exp), "--attempts", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "rloo - frozen:" in out and "shuffled - frozen:" in out and "rloo - shuffled:" in out
+    result = json.loads((exp / "reevaluation-heldout-more2.json").read_text())
+    assert [(d["treated"], d["baseline"]) for d in result["diffs"]] == [
+        ("rloo", "frozen"), ("shuffled", "frozen"), ("rloo", "shuffled")]
+    for arm, version in (("frozen", "v0000"), ("rloo", "v0001"), ("shuffled", "v0001")):
+        run = result["runs"][arm]
+        assert run["version"] == version
+        own, more = (load_episodes(exp / "arms" / arm / "traces" / t)[1] for t in run["traces"])
+        assert len(own) == HELDOUT_TASKS and len(more) == 2 * HELDOUT_TASKS
+        assert run["episodes"] == 3 * HELDOUT_TASKS
+        assert {e.trajectory.seed for e in more} == {EXTRA_SEED_BASE, EXTRA_SEED_BASE + 1}
+    rloo, frozen = result["runs"]["rloo"]["per_task"], result["runs"]["frozen"]["per_task"]
+    diff = result["diffs"][0]
+    assert diff["estimate"] == pytest.approx(
+        sum(rloo[t] - frozen[t] for t in rloo) / len(rloo))
+    assert {arm: _rl_steps(exp / "arms" / arm) for arm in steps} == steps  # nothing trained
+    assert build_report(exp)["claim"] == claim  # the claim stays the preregistered one's
+
+    # Again: every evaluation is reused from its trace, the same figures come back.
+    traces = {p: p.stat().st_mtime_ns for p in exp.glob("arms/*/traces/eval-more2.jsonl")}
+    again = reevaluate(exp / "arms" / "frozen", [exp / "arms" / "rloo"], 2)
+    assert {p: p.stat().st_mtime_ns for p in traces} == traces
+    assert again["diffs"][0]["estimate"] == diff["estimate"]
+
+    # Refused: a baseline that is not at v0000, a run of another replicate's seed.
+    with pytest.raises(RunStateError, match="baseline's start policy is v0000"):
+        reevaluate(exp / "arms" / "rloo", [exp / "arms" / "shuffled"], 2)
+    other = tmp_path / "other" / "rloo-seed1"
+    shutil.copytree(exp / "arms" / "rloo", other)
+    recorded = json.loads((other / "config.json").read_text())
+    recorded["config"]["training"]["seed"] += 1
+    (other / "config.json").write_text(json.dumps(recorded))
+    with pytest.raises(ConfigDriftError, match="training.seed differs"):
+        reevaluate(exp / "arms" / "frozen", [other], 2)
+    with pytest.raises(SystemExit, match="--baseline"):
+        main(["reevaluate", str(exp / "arms" / "rloo"), str(other), "--attempts", "2"])

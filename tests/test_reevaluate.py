@@ -78,7 +78,7 @@ def test_more_attempts_are_pooled_with_each_arms_own_evaluation_and_paired(
     recorded = json.loads((other / "config.json").read_text())
     recorded["config"]["training"]["seed"] += 1
     (other / "config.json").write_text(json.dumps(recorded))
-    with pytest.raises(ConfigDriftError, match="training.seed differs"):
+    with pytest.raises(ConfigDriftError, match=r"training\.seed differs"):
         reevaluate(exp / "arms" / "frozen", [other], 2)
     with pytest.raises(SystemExit, match="--baseline"):
         main(["reevaluate", str(exp / "arms" / "rloo"), str(other), "--attempts", "2"])

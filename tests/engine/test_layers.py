@@ -35,7 +35,8 @@ LAYERS: dict[str, int] = {
     "closedloop.learn": 5,
     "closedloop.evaluate": 6,
     **{f"closedloop.{m}": 7 for m in ("config", "runtime", "run_integrity", "training", "loop",
-                                      "experiment", "replicates", "export", "progress", "cli")},
+                                      "experiment", "replicates", "reevaluate", "export",
+                                      "progress", "cli")},
     "closedloop": 7,
 }
 

@@ -28,6 +28,7 @@ from closedloop.evaluate.stats import paired_bootstrap_ci
 from closedloop.loop import evaluate_start, final_suites, opened_run, train
 from closedloop.policy.registry import atomic_write_bytes, version_name
 from closedloop.progress import log
+from closedloop.training.evaluation import eval_name
 
 ARMS = ("frozen", "rloo", "shuffled", "sft_only")
 SHARED = ("sft/adapter.pt", "sft/result.json", "traces/sft-demos.jsonl",
@@ -50,8 +51,7 @@ def _copy_cold_start(cold: Path, arm: Path) -> None:
 
 
 def _eval_of(run_dir: Path, label: str, cfg: RunConfig, suite: str = "heldout") -> EvalSummary:
-    name = label if suite == "heldout" else f"{label}-{suite}"
-    _, episodes = load_episodes(run_dir / "traces" / f"eval-{name}.jsonl")
+    _, episodes = load_episodes(run_dir / "traces" / f"eval-{eval_name(label, suite)}.jsonl")
     return summarize_eval(episodes, k=cfg.evaluation.attempts_per_task, seed=cfg.training.seed)
 
 
@@ -88,7 +88,7 @@ def _final_suites(cfg: RunConfig, arm_dir: Path, config_override: str | None) ->
     """Evaluate a finished arm's final policy on each of ``final_suites`` it has not been
     evaluated on (an experiment directory written before that suite was evaluated)."""
     missing = [s for s in final_suites(cfg)
-               if not (arm_dir / "traces" / f"eval-final-{s}.jsonl").is_file()]
+               if not (arm_dir / "traces" / f"eval-{eval_name('final', s)}.jsonl").is_file()]
     if not missing:
         return
     log(f"experiment: arm {arm_dir.name}, final policy on the {', '.join(missing)} suite(s)")

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from closedloop import run_integrity
 from closedloop.config import RunConfig, parse_config
 from closedloop.contracts import Episode, load_episodes
 from closedloop.errors import ConfigDriftError, RunStateError
@@ -33,9 +34,9 @@ from closedloop.experiment import paired_diff
 from closedloop.loop import opened_run
 from closedloop.policy.registry import atomic_write_bytes, version_name
 from closedloop.progress import log
+from closedloop.training.evaluation import EVAL_SUITES, eval_name
 
 EXTRA_SEED_BASE = 1000
-SUITES = ("heldout", "family", "train")
 
 
 def extra_seeds(attempts: int) -> list[int]:
@@ -46,17 +47,13 @@ def extra_seeds(attempts: int) -> list[int]:
 
 
 def recorded_config(run_dir: Path) -> RunConfig:
-    """The config a run directory recorded (``config.json``)."""
-    path = run_dir / "config.json"
-    try:
-        return parse_config(json.loads(path.read_text("utf-8"))["config"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ConfigDriftError(path, f"cannot read the recorded config ({exc!r})",
-                               "reevaluate a complete run directory") from None
+    """The config a run directory recorded (``config.json``), validated."""
+    return parse_config(run_integrity.recorded_config(run_dir,
+                                                      "reevaluate a complete run directory"))
 
 
 def _trace_name(label: str, suite: str) -> str:
-    return f"eval-{label}.jsonl" if suite == "heldout" else f"eval-{label}-{suite}.jsonl"
+    return f"eval-{eval_name(label, suite)}.jsonl"
 
 
 def evaluate_more(run_dir: Path, attempts: int, suite: str, baseline: bool) -> dict[str, Any]:
@@ -64,8 +61,8 @@ def evaluate_more(run_dir: Path, attempts: int, suite: str, baseline: bool) -> d
     with the run's own evaluation of that policy. ``baseline``: the start policy (the run must
     be at v0000, as an experiment's frozen arm is); else the final one (the run must be
     finished). Returns the run's pooled per-task success and what was pooled."""
-    if suite not in SUITES:
-        raise ValueError(f"--suite must be one of {SUITES}, got {suite!r}")
+    if suite not in EVAL_SUITES:
+        raise ValueError(f"--suite must be one of {EVAL_SUITES}, got {suite!r}")
     cfg = recorded_config(run_dir)
     seeds = extra_seeds(attempts)
     clash = sorted(set(seeds) & set(cfg.evaluation.seeds))

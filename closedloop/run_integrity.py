@@ -115,17 +115,22 @@ def _append_line(path: Path, record: Mapping[str, Any]) -> None:
         os.fsync(fh.fileno())
 
 
+def recorded_config(run_dir: Path, unreadable: str) -> Any:
+    """The config ``run_dir/config.json`` recorded (its ``config`` object, as JSON data);
+    ``ConfigDriftError`` (recovery: ``unreadable``) when it cannot be read."""
+    path = run_dir / "config.json"
+    try:
+        return json.loads(path.read_text("utf-8"))["config"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigDriftError(path, f"cannot read the recorded config ({exc!r})",
+                               unreadable) from None
+
+
 def recorded_config_differences(run_dir: Path, config: Mapping[str, Any],
                                 unreadable: str) -> list[str]:
     """``config_differences`` between the config ``run_dir/config.json`` recorded and
     ``config``; ``ConfigDriftError`` (recovery: ``unreadable``) when it cannot be read."""
-    path = run_dir / "config.json"
-    try:
-        recorded = json.loads(path.read_text("utf-8"))["config"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ConfigDriftError(path, f"cannot read the recorded config ({exc!r})",
-                               unreadable) from None
-    return config_differences(recorded, dict(config))
+    return config_differences(recorded_config(run_dir, unreadable), dict(config))
 
 
 def check_config(run_dir: Path, config: Mapping[str, Any], meta: Mapping[str, Any],

@@ -17,6 +17,17 @@ from closedloop.learn.audit import AuditResult, audit_logprobs, audit_tolerances
 from closedloop.progress import log
 from closedloop.training.policy import RunPolicy
 
+EVAL_SUITES = ("heldout", "family", "train")
+"""``heldout``: template-disjoint; ``family``: families absent from training; ``train``: the
+tasks RL draws its groups from (in distribution, never a capability claim)."""
+
+
+def eval_name(label: str, suite: str = "heldout") -> str:
+    """The name of an evaluation: ``<label>`` on ``heldout``, ``<label>-<suite>`` otherwise;
+    its trace is ``traces/eval-<name>.jsonl``."""
+    return label if suite == "heldout" else f"{label}-{suite}"
+
+
 EVAL_CHUNK_EPISODES = 48
 """An evaluation collects at most this many episodes at once. Its episodes decode in lockstep,
 each holding its KV cache (~40 MB for a SmolLM2 episode of 900 ids, fp32), so a 16-task ×
@@ -53,7 +64,7 @@ class RunEvaluation(RunPolicy):
         else:
             attempts = 1 if suite == "train" else ev.attempts_per_task
             seeds = list(ev.seeds)[:attempts]
-        name = label if suite == "heldout" else f"{label}-{suite}"
+        name = eval_name(label, suite)
         self.generator.rng.manual_seed(int(content_hash(["eval", name])[7:15], 16))
         groups = [(f"eval-{name}-{i:03d}-s{seed}", task, seed, 1)
                   for i, task in enumerate(self.suite_tasks(suite)) for seed in seeds]

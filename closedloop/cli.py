@@ -223,13 +223,14 @@ def cmd_reevaluate(args: argparse.Namespace) -> int:
 
     runs = [Path(p) for p in args.runs]
     if args.baseline:
-        result = reevaluate(Path(args.baseline), runs, args.attempts, args.suite)
+        result = reevaluate(Path(args.baseline), runs, args.attempts, args.suite, args.step)
     elif len(runs) == 1:
-        result = reevaluate_experiment(runs[0], args.attempts, args.suite)
+        result = reevaluate_experiment(runs[0], args.attempts, args.suite, args.step)
     else:
         raise SystemExit("several runs need --baseline (a frozen arm at v0000)")
-    lines = ["", f"== {result['suite']} suite: {args.attempts} more attempts per task, pooled "
-                 "with each policy's own evaluation (paired by each episode's stream) =="]
+    at = "" if args.step is None else f", treated runs at v{args.step:04d}"
+    lines = ["", f"== {result['suite']} suite: {args.attempts} more attempts per task{at}, "
+                 "pooled with each policy's own evaluation (paired by each episode's stream) =="]
     for name, run in result["runs"].items():
         lo, hi = run["attempts_per_task"]
         lines.append(f"{name:12} {run['version']} success {_fmt(run['success'])} over "
@@ -539,6 +540,9 @@ def _add_run_commands(sub: _Subcommands) -> list[argparse.ArgumentParser]:
     rv.add_argument("--attempts", type=int, required=True, metavar="N",
                     help="attempts per task to add (seeds 1000..1000+N-1)")
     rv.add_argument("--suite", choices=["heldout", "family", "train"], default="heldout")
+    rv.add_argument("--step", type=int, metavar="K",
+                    help="evaluate the treated runs' policy after K RL steps (v000K) instead "
+                         "of their final one: a point of the learning curve")
     rv.set_defaults(fn=cmd_reevaluate)
     return [tr, ex, sm, rv]
 

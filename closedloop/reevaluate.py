@@ -16,6 +16,12 @@ that seed, the task, the evaluation seed and the sibling, so the attempts are pa
 draw across runs. Each run keeps its new evaluation (``traces/eval-more<N>[-<suite>].jsonl``,
 collected and resumed chunk by chunk); an experiment's claim and gates stay those of its
 preregistered evaluation, and this one is reported beside it.
+
+``step``: the treated runs' policy after that many RL steps (v<step>) instead of the final one
+— a learning curve whose points resolve what a 3-attempt curve point cannot. Its own
+evaluation is the curve point ``eval-step-<step>`` where the run has one; where it has none,
+the new evaluation also covers the preregistered evaluation's seeds, so every policy
+compared is scored on the same seeds. Its trace is ``eval-more<N>-v<step>[-<suite>].jsonl``.
 """
 
 from __future__ import annotations
@@ -56,11 +62,13 @@ def _trace_name(label: str, suite: str) -> str:
     return f"eval-{eval_name(label, suite)}.jsonl"
 
 
-def evaluate_more(run_dir: Path, attempts: int, suite: str, baseline: bool) -> dict[str, Any]:
+def evaluate_more(run_dir: Path, attempts: int, suite: str, baseline: bool,
+                  step: int | None = None) -> dict[str, Any]:
     """Evaluate one run's policy on ``attempts`` more attempts per task of ``suite``; pool them
     with the run's own evaluation of that policy. ``baseline``: the start policy (the run must
-    be at v0000, as an experiment's frozen arm is); else the final one (the run must be
-    finished). Returns the run's pooled per-task success and what was pooled."""
+    be at v0000, as an experiment's frozen arm is); else the final one, or with ``step`` the
+    policy after that many steps (the run must be finished). Returns the run's pooled per-task
+    success and what was pooled."""
     if suite not in EVAL_SUITES:
         raise ValueError(f"--suite must be one of {EVAL_SUITES}, got {suite!r}")
     cfg = recorded_config(run_dir)
@@ -70,42 +78,52 @@ def evaluate_more(run_dir: Path, attempts: int, suite: str, baseline: bool) -> d
         raise ConfigDriftError(run_dir / "config.json",
                                f"evaluation.seeds {clash} are also extra-attempt seeds",
                                f"evaluation seeds below {EXTRA_SEED_BASE} leave room for these")
-    own = "start" if baseline else "final"
+    final = cfg.training.rl_steps
+    version = 0 if baseline else final if step is None else step
+    if not 0 < version <= final and not baseline:
+        raise ValueError(f"--step must be in 1..{final} (the run's training.rl_steps), "
+                         f"got {version}")
+    label = f"more{attempts}" if version in (0, final) else f"more{attempts}-v{version:04d}"
+    own = "start" if baseline else "final" if version == final else f"step-{version:04d}"
     own_trace = run_dir / "traces" / _trace_name(own, suite)
     if not own_trace.is_file():
-        raise RunStateError(own_trace, f"the run has no {own} evaluation on the {suite} suite",
-                            "finish the run (or its experiment) first")
-    label = f"more{attempts}"
+        if version in (0, final):
+            raise RunStateError(own_trace, f"the run has no {own} evaluation on the {suite} "
+                                "suite", "finish the run (or its experiment) first")
+        # no curve point at this step: score the preregistered evaluation's seeds too
+        seeds = list(cfg.evaluation.seeds)[:cfg.evaluation.attempts_per_task] + seeds
     with opened_run(cfg, run_dir) as run:
         run.resume()
-        expected = 0 if baseline else cfg.training.rl_steps
+        expected = 0 if baseline else final
         if run.step != expected:
             what = "the baseline's start policy" if baseline else "the final policy"
             raise RunStateError(run_dir / "checkpoints", f"the run is at step {run.step}; "
                                 f"{what} is v{expected:04d}",
                                 "pass a frozen arm as the baseline and finished runs to compare"
                                 if baseline else "finish the run first")
-        manifest = run.registry.manifest(version_name(run.step))
-        log(f"reevaluate: {run_dir} {manifest.policy_version}, {attempts} more attempts "
+        manifest = (run.registry.manifest(version_name(version)) if version == run.step
+                    else run.load_version(version_name(version)))
+        log(f"reevaluate: {run_dir} {manifest.policy_version}, {len(seeds)} more attempts "
             f"per {suite} task")
         run.evaluate(label, manifest, suite=suite, seeds=seeds)
-    episodes: list[Episode] = list(load_episodes(own_trace)[1])
-    episodes += load_episodes(run_dir / "traces" / _trace_name(label, suite))[1]
+    pooled = [p for p in (own_trace, run_dir / "traces" / _trace_name(label, suite))
+              if p.is_file()]
+    episodes: list[Episode] = [ep for p in pooled for ep in load_episodes(p)[1]]
     summary = summarize_eval(episodes, k=1, seed=cfg.training.seed)
     scored = [t.n for t in summary.tasks]
     return {"run_dir": str(run_dir), "version": manifest.policy_version,
             "training_seed": cfg.training.seed, "success": summary.pass_at_1,
             "episodes": len(episodes), "attempts_per_task": [min(scored), max(scored)],
-            "traces": [own_trace.name, _trace_name(label, suite)],
+            "traces": [p.name for p in pooled],
             "per_task": summary.per_task_success()}
 
 
 def reevaluate(baseline: Path, treated: Sequence[Path], attempts: int,
-               suite: str = "heldout") -> dict[str, Any]:
-    """The baseline's start policy and each treated run's final policy, each with ``attempts``
-    more attempts (module doc); the paired difference of every treated run from the baseline,
-    and of each earlier-listed treated run from each later one (an experiment: rloo − shuffled).
-    """
+               suite: str = "heldout", step: int | None = None) -> dict[str, Any]:
+    """The baseline's start policy and each treated run's final policy (or v<step>), each with
+    ``attempts`` more attempts (module doc); the paired difference of every treated run from
+    the baseline, and of each earlier-listed treated run from each later one (an experiment:
+    rloo − shuffled)."""
     names = [baseline.name, *(p.name for p in treated)]
     if len(set(names)) != len(names):
         raise ValueError(f"runs must have distinct directory names, got {names}")
@@ -118,7 +136,7 @@ def reevaluate(baseline: Path, treated: Sequence[Path], attempts: int,
                                "when every episode's stream is keyed by the same seed")
     runs = {baseline.name: evaluate_more(baseline, attempts, suite, baseline=True)}
     for path in treated:
-        runs[path.name] = evaluate_more(path, attempts, suite, baseline=False)
+        runs[path.name] = evaluate_more(path, attempts, suite, baseline=False, step=step)
     seed = next(iter(seeds.values()))
     order = [p.name for p in treated]
     pairs = [(a, baseline.name) for a in order] + [
@@ -127,23 +145,24 @@ def reevaluate(baseline: Path, treated: Sequence[Path], attempts: int,
     for a, b in pairs:
         diff = paired_diff(runs[a]["per_task"], runs[b]["per_task"], seed)
         diffs.append({"treated": a, "baseline": b, **(diff or {"estimate": None})})
-    return {"suite": suite, "attempts_added": attempts,
+    return {"suite": suite, "attempts_added": attempts, "step": step,
             "seeds": [EXTRA_SEED_BASE, EXTRA_SEED_BASE + attempts - 1],
             "baseline": baseline.name, "runs": runs, "diffs": diffs}
 
 
-def reevaluate_experiment(exp_dir: Path, attempts: int, suite: str = "heldout"
-                          ) -> dict[str, Any]:
+def reevaluate_experiment(exp_dir: Path, attempts: int, suite: str = "heldout",
+                          step: int | None = None) -> dict[str, Any]:
     """``reevaluate`` an experiment directory's frozen arm (baseline) against its finished RL
     arm and shuffled-reward null; the result is also written to
-    ``reevaluation-<suite>-more<attempts>.json`` there (atomically)."""
+    ``reevaluation-<suite>-more<attempts>[-v<step>].json`` there (atomically)."""
     arms = exp_dir / "arms"
     treated = [arms / name for name in ("rloo", "shuffled") if (arms / name).is_dir()]
     if not (arms / "frozen").is_dir() or not treated:
         raise RunStateError(arms, "no frozen arm and RL arm to compare",
                             "pass an experiment directory (closedloop experiment/smoke)")
-    result = reevaluate(arms / "frozen", treated, attempts, suite)
-    out = exp_dir / f"reevaluation-{suite}-more{attempts}.json"
+    result = reevaluate(arms / "frozen", treated, attempts, suite, step)
+    tail = "" if step is None else f"-v{step:04d}"
+    out = exp_dir / f"reevaluation-{suite}-more{attempts}{tail}.json"
     atomic_write_bytes(out, (json.dumps(result, indent=2, sort_keys=True) + "\n").encode())
     result["written_to"] = str(out)
     return result

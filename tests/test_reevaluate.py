@@ -18,7 +18,8 @@ from closedloop.contracts.metrics_log import read_metrics
 from closedloop.errors import ConfigDriftError, RunStateError
 from closedloop.evaluate.report import build_report
 from closedloop.experiment import run_experiment
-from closedloop.reevaluate import EXTRA_SEED_BASE, reevaluate
+from closedloop.loop import opened_run
+from closedloop.reevaluate import EXTRA_SEED_BASE, reevaluate, reevaluate_experiment
 from tests.conftest import HELDOUT_TASKS, short_run_config
 
 pytestmark = pytest.mark.slow
@@ -82,3 +83,43 @@ def test_more_attempts_are_pooled_with_each_arms_own_evaluation_and_paired(
         reevaluate(exp / "arms" / "frozen", [other], 2)
     with pytest.raises(SystemExit, match="--baseline"):
         main(["reevaluate", str(exp / "arms" / "rloo"), str(other), "--attempts", "2"])
+
+
+def test_a_step_reevaluates_that_version_and_scores_the_preregistered_seeds_where_unscored(
+        tiny_agent_dir: Path, tmp_path: Path, one_thread: None) -> None:
+    raw = short_run_config(tiny_agent_dir, 2)
+    evaluation = raw["evaluation"]
+    assert isinstance(evaluation, dict)
+    raw["evaluation"] = {**evaluation, "curve_points": 3}  # rloo: a point at step 1
+    cfg = parse_config(raw)
+    exp = tmp_path / "exp"
+    run_experiment(cfg, exp)
+    rloo = exp / "arms" / "rloo"
+    assert (rloo / "traces" / "eval-step-0001.jsonl").is_file()
+    assert not (exp / "arms" / "shuffled" / "traces" / "eval-step-0001.jsonl").is_file()
+
+    # The earlier version loaded into a finished run samples what its curve point sampled.
+    with opened_run(cfg, rloo) as run:
+        run.resume()
+        assert run.step == 2
+        manifest = run.load_version("v0001")
+        assert manifest.policy_version == "v0001"
+        run.evaluate("check", manifest, seeds=cfg.evaluation.seeds[:1])
+    point, check = (load_episodes(rloo / "traces" / f"eval-{n}.jsonl")[1]
+                    for n in ("step-0001", "check"))
+    assert [[t.action_token_ids for t in e.turns] for e in check] == \
+        [[t.action_token_ids for t in e.turns] for e in point]
+
+    result = reevaluate_experiment(exp, 2, step=1)
+    assert (exp / "reevaluation-heldout-more2-v0001.json").is_file()
+    runs = result["runs"]
+    assert [runs[a]["version"] for a in ("frozen", "rloo", "shuffled")] == [
+        "v0000", "v0001", "v0001"]
+    assert runs["rloo"]["traces"] == ["eval-step-0001.jsonl", "eval-more2-v0001.jsonl"]
+    assert runs["shuffled"]["traces"] == ["eval-more2-v0001.jsonl"]
+    seeds = {e.trajectory.seed for e in load_episodes(
+        exp / "arms" / "shuffled" / "traces" / "eval-more2-v0001.jsonl")[1]}
+    assert seeds == {cfg.evaluation.seeds[0], EXTRA_SEED_BASE, EXTRA_SEED_BASE + 1}
+    assert {runs[a]["episodes"] for a in runs} == {3 * HELDOUT_TASKS}  # every policy, same seeds
+    with pytest.raises(ValueError, match=r"--step must be in 1\.\.2"):
+        reevaluate_experiment(exp, 2, step=3)

@@ -90,6 +90,24 @@ class RunPolicy(RunState):
         self.registry.publish(version, require_acks_from=[GENERATOR_WORKER])
         return manifest
 
+    def load_version(self, version: str) -> PolicyManifest:
+        """Load a published version's adapter into the policy and the generator (to evaluate
+        an earlier policy of a finished run; the run's checkpoint is untouched). Raises
+        ``RegistryError`` unless the loaded weights are exactly the manifest's."""
+        manifest = self.registry.manifest(version)
+        state = self.registry.load_state_dict(version)  # checksum verified on read
+        current = split_state_dict(self.model)[1]
+        if set(state) != set(current):
+            raise RegistryError(f"{version}: its adapter tensors are not this run's adapter's")
+        with torch.no_grad():
+            for name, tensor in state.items():
+                current[name].copy_(tensor)
+        combined = policy_weight_checksum(self.model).combined
+        if combined != manifest.weight_checksum:
+            raise RegistryError(f"{version}: the loaded weights are not the manifest's")
+        self.generator.refresh_weights(combined)
+        return manifest
+
     # ------------------------------------------------------------------ collection
     def _collect(self, source: ActionSource, manifest: PolicyManifest, path: Path,
                  groups: Sequence[tuple[str, str, int, int]], desc: str

@@ -63,7 +63,27 @@ def test_more_attempts_are_pooled_with_each_arms_own_evaluation_and_paired(
     assert diff["estimate"] == pytest.approx(
         sum(rloo[t] - frozen[t] for t in rloo) / len(rloo))
     assert {arm: _rl_steps(exp / "arms" / arm) for arm in steps} == steps  # nothing trained
-    assert build_report(exp)["claim"] == claim  # the claim stays the preregistered one's
+    report = build_report(exp)
+    assert report["claim"] == claim  # the claim stays the preregistered one's
+    # The report shows it beside the claim, recomputed from the traces the file names.
+    (shown,) = report["more_attempts"]
+    assert shown["measured"] and shown["file"] == "reevaluation-heldout-more2.json"
+    assert [(d["estimate"], d["ci"]) for d in shown["diffs"]] == [
+        (d["estimate"], [d["lo"], d["hi"]]) for d in result["diffs"]]
+    assert {a: shown["arms"][a]["episodes"] for a in shown["arms"]} == {
+        a: 3 * HELDOUT_TASKS for a in ("frozen", "rloo", "shuffled")}
+    written = exp / "reevaluation-heldout-more2.json"
+    tampered = json.loads(written.read_text())
+    tampered["diffs"][0]["estimate"] = 0.9  # figures in the file are never read
+    written.write_text(json.dumps(tampered))
+    assert build_report(exp)["more_attempts"] == [shown]
+    for traces, why in ((["eval-gone.jsonl"], "missing"), (["../../rloo/config.json"], "names"),
+                        (["eval-final.jsonl", "eval-start.jsonl"], "policy versions")):
+        tampered["runs"]["rloo"]["traces"] = traces
+        written.write_text(json.dumps(tampered))
+        (bad,) = build_report(exp)["more_attempts"]
+        assert not bad["measured"] and why in bad["detail"]
+    written.write_text(json.dumps(result))
 
     # Again: every evaluation is reused from its trace, the same figures come back.
     traces = {p: p.stat().st_mtime_ns for p in exp.glob("arms/*/traces/eval-more2.jsonl")}

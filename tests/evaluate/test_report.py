@@ -108,6 +108,17 @@ def test_capability_claim_rule(passed: bool | None, ci: list[float], gain: bool 
     assert claim["gain"] is gain and words in claim["statement"]
 
 
+def test_a_claim_whose_interval_includes_0_states_what_it_cannot_resolve() -> None:
+    comparison = {"what": "final - start", "measured": True, "estimate": -0.021,
+                  "ci": [-0.125, 0.104], "tasks": 16}
+    claim = capability_claim(_gates(True), comparison)
+    assert claim["gain"] is False and claim["resolution"] == pytest.approx(0.1145)
+    assert "none is ruled out" in claim["statement"]
+    assert "smaller than about 0.11" in claim["statement"]
+    resolved = capability_claim(_gates(True), {**comparison, "ci": [0.02, 0.2]})
+    assert "resolution" not in resolved  # a stated gain, or a decrease, needs no such caveat
+
+
 def test_claim_needs_a_measured_comparison() -> None:
     claim = capability_claim(_gates(True), {"what": "final - start", "measured": False,
                                             "detail": "1 tasks scored in both evaluations"})

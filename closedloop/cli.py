@@ -531,7 +531,8 @@ def _add_run_commands(sub: _Subcommands) -> list[argparse.ArgumentParser]:
     sm.add_argument("--override-config", metavar="REASON", help=OVERRIDE_HELP)
     sm.set_defaults(fn=cmd_smoke)
     rv = sub.add_parser("reevaluate", help="more evaluation attempts for finished policies "
-                        "(an experiment's frozen, rloo and shuffled arms), paired and pooled")
+                        "(an experiment's frozen, rloo, shuffled and SFT-only arms), paired and "
+                        "pooled")
     rv.add_argument("runs", nargs="+", metavar="DIR",
                     help="an experiment directory, or with --baseline the finished runs to "
                          "compare with it")

@@ -17,6 +17,10 @@ draw across runs. Each run keeps its new evaluation (``traces/eval-more<N>[-<sui
 collected and resumed chunk by chunk); an experiment's claim and gates stay those of its
 preregistered evaluation, and this one is reported beside it.
 
+An SFT-only control (an experiment's ``sft_only`` arm: supervised steps matched to the RL arm's
+trained action tokens, published as its final version, no RL checkpoint) is a treated run too:
+its published final version is loaded and evaluated the same way.
+
 ``step``: the treated runs' policy after that many RL steps (v<step>) instead of the final one
 — a learning curve whose points resolve what a 3-attempt curve point cannot. Its own
 evaluation is the curve point ``eval-step-<step>`` where the run has one; where it has none,
@@ -34,6 +38,7 @@ from typing import Any
 from closedloop import run_integrity
 from closedloop.config import RunConfig, parse_config
 from closedloop.contracts import Episode, load_episodes
+from closedloop.contracts.metrics_log import read_metrics
 from closedloop.errors import ConfigDriftError, RunStateError
 from closedloop.evaluate.heldout import summarize_eval
 from closedloop.experiment import paired_diff
@@ -83,6 +88,10 @@ def evaluate_more(run_dir: Path, attempts: int, suite: str, baseline: bool,
     if not 0 < version <= final and not baseline:
         raise ValueError(f"--step must be in 1..{final} (the run's training.rl_steps), "
                          f"got {version}")
+    sft_only = not baseline and is_sft_only(run_dir)
+    if sft_only and version != final:
+        raise ValueError(f"{run_dir.name} is an SFT-only control: it has no policy after "
+                         f"{version} RL steps, only its final one")
     label = f"more{attempts}" if version in (0, final) else f"more{attempts}-v{version:04d}"
     own = "start" if baseline else "final" if version == final else f"step-{version:04d}"
     own_trace = run_dir / "traces" / _trace_name(own, suite)
@@ -93,25 +102,40 @@ def evaluate_more(run_dir: Path, attempts: int, suite: str, baseline: bool,
         # no curve point at this step: score the preregistered evaluation's seeds too
         seeds = list(cfg.evaluation.seeds)[:cfg.evaluation.attempts_per_task] + seeds
     with opened_run(cfg, run_dir) as run:
-        run.resume()
-        expected = 0 if baseline else final
-        if run.step != expected:
-            what = "the baseline's start policy" if baseline else "the final policy"
-            raise RunStateError(run_dir / "checkpoints", f"the run is at step {run.step}; "
-                                f"{what} is v{expected:04d}",
-                                "pass a frozen arm as the baseline and finished runs to compare"
-                                if baseline else "finish the run first")
-        manifest = (run.registry.manifest(version_name(version)) if version == run.step
-                    else run.load_version(version_name(version)))
+        if sft_only:  # no RL checkpoint to resume: its published final version is the policy
+            manifest = run.load_version(version_name(final))
+        else:
+            run.resume()
+            expected = 0 if baseline else final
+            if run.step != expected:
+                what = "the baseline's start policy" if baseline else "the final policy"
+                raise RunStateError(run_dir / "checkpoints", f"the run is at step {run.step}; "
+                                    f"{what} is v{expected:04d}",
+                                    "pass a frozen arm as the baseline and finished runs to "
+                                    "compare" if baseline else "finish the run first")
+            manifest = (run.registry.manifest(version_name(version)) if version == run.step
+                        else run.load_version(version_name(version)))
         log(f"reevaluate: {run_dir} {manifest.policy_version}, {len(seeds)} more attempts "
             f"per {suite} task")
         run.evaluate(label, manifest, suite=suite, seeds=seeds)
+    return _pooled(run_dir, cfg, manifest.policy_version, own_trace, label, suite)
+
+
+def is_sft_only(run_dir: Path) -> bool:
+    """Whether a run directory is an SFT-only control (its metrics log an ``sft_only`` record)."""
+    path = run_dir / "metrics.jsonl"
+    return path.is_file() and any(r.get("kind") == "sft_only" for r in read_metrics(path))
+
+
+def _pooled(run_dir: Path, cfg: RunConfig, version: str, own_trace: Path, label: str,
+            suite: str) -> dict[str, Any]:
+    """A run's own evaluation of a policy pooled with its new one: per-task success."""
     pooled = [p for p in (own_trace, run_dir / "traces" / _trace_name(label, suite))
               if p.is_file()]
     episodes: list[Episode] = [ep for p in pooled for ep in load_episodes(p)[1]]
     summary = summarize_eval(episodes, k=1, seed=cfg.training.seed)
     scored = [t.n for t in summary.tasks]
-    return {"run_dir": str(run_dir), "version": manifest.policy_version,
+    return {"run_dir": str(run_dir), "version": version,
             "training_seed": cfg.training.seed, "success": summary.pass_at_1,
             "episodes": len(episodes), "attempts_per_task": [min(scored), max(scored)],
             "traces": [p.name for p in pooled],
@@ -153,10 +177,12 @@ def reevaluate(baseline: Path, treated: Sequence[Path], attempts: int,
 def reevaluate_experiment(exp_dir: Path, attempts: int, suite: str = "heldout",
                           step: int | None = None) -> dict[str, Any]:
     """``reevaluate`` an experiment directory's frozen arm (baseline) against its finished RL
-    arm and shuffled-reward null; the result is also written to
+    arm, shuffled-reward null and (without ``step``) SFT-only control; the result is also
+    written to
     ``reevaluation-<suite>-more<attempts>[-v<step>].json`` there (atomically)."""
     arms = exp_dir / "arms"
-    treated = [arms / name for name in ("rloo", "shuffled") if (arms / name).is_dir()]
+    names = ("rloo", "shuffled") if step is not None else ("rloo", "shuffled", "sft_only")
+    treated = [arms / name for name in names if (arms / name).is_dir()]
     if not (arms / "frozen").is_dir() or not treated:
         raise RunStateError(arms, "no frozen arm and RL arm to compare",
                             "pass an experiment directory (closedloop experiment/smoke)")

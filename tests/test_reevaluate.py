@@ -50,8 +50,10 @@ def test_more_attempts_are_pooled_with_each_arms_own_evaluation_and_paired(
     assert "rloo - frozen:" in out and "shuffled - frozen:" in out and "rloo - shuffled:" in out
     result = json.loads((exp / "reevaluation-heldout-more2.json").read_text())
     assert [(d["treated"], d["baseline"]) for d in result["diffs"]] == [
-        ("rloo", "frozen"), ("shuffled", "frozen"), ("rloo", "shuffled")]
-    for arm, version in (("frozen", "v0000"), ("rloo", "v0001"), ("shuffled", "v0001")):
+        ("rloo", "frozen"), ("shuffled", "frozen"), ("sft_only", "frozen"),
+        ("rloo", "shuffled"), ("rloo", "sft_only"), ("shuffled", "sft_only")]
+    for arm, version in (("frozen", "v0000"), ("rloo", "v0001"), ("shuffled", "v0001"),
+                         ("sft_only", "v0001")):  # the SFT-only arm: its published final
         run = result["runs"][arm]
         assert run["version"] == version
         own, more = (load_episodes(exp / "arms" / arm / "traces" / t)[1] for t in run["traces"])
@@ -71,7 +73,7 @@ def test_more_attempts_are_pooled_with_each_arms_own_evaluation_and_paired(
     assert [(d["estimate"], d["ci"]) for d in shown["diffs"]] == [
         (d["estimate"], [d["lo"], d["hi"]]) for d in result["diffs"]]
     assert {a: shown["arms"][a]["episodes"] for a in shown["arms"]} == {
-        a: 3 * HELDOUT_TASKS for a in ("frozen", "rloo", "shuffled")}
+        a: 3 * HELDOUT_TASKS for a in ("frozen", "rloo", "shuffled", "sft_only")}
     written = exp / "reevaluation-heldout-more2.json"
     tampered = json.loads(written.read_text())
     tampered["diffs"][0]["estimate"] = 0.9  # figures in the file are never read
@@ -143,3 +145,5 @@ def test_a_step_reevaluates_that_version_and_scores_the_preregistered_seeds_wher
     assert {runs[a]["episodes"] for a in runs} == {3 * HELDOUT_TASKS}  # every policy, same seeds
     with pytest.raises(ValueError, match=r"--step must be in 1\.\.2"):
         reevaluate_experiment(exp, 2, step=3)
+    with pytest.raises(ValueError, match="SFT-only control"):
+        reevaluate(exp / "arms" / "frozen", [exp / "arms" / "sft_only"], 2, step=1)

@@ -78,7 +78,8 @@ def read_reevaluation(exp_dir: Path, path: Path, seed: int) -> dict[str, Any]:
             return _not_measured(path, f"pair {treated} - {base} names an arm it did not pool")
         a, b = arms[treated]["per_task"], arms[base]["per_task"]
         common = sorted(set(a) & set(b))
-        row: dict[str, Any] = {"what": f"{treated} {arms[treated]['version']} - {base} "
+        row: dict[str, Any] = {"treated": treated, "baseline": base,
+                               "what": f"{treated} {arms[treated]['version']} - {base} "
                                        f"{arms[base]['version']}", "tasks": len(common)}
         if len(common) >= 2:
             ci = paired_bootstrap_ci({t: a[t] for t in common}, {t: b[t] for t in common},

@@ -511,10 +511,11 @@ def _more_attempts_html(found: list[Mapping[str, Any]]) -> str:
         if not r["measured"]:
             rows.append([r["file"], None, None, f"not measured: {r['detail']}", None, None])
             continue
-        attempts = {name: a["attempts_per_task"] for name, a in r["arms"].items()}
         for d in r["diffs"]:
+            scored = ", ".join(f"{name} {lo}-{hi}" for name in (d["treated"], d["baseline"])
+                               for lo, hi in [r["arms"][name]["attempts_per_task"] or ("?", "?")])
             rows.append([r["file"], r["suite"], d["what"], d.get("estimate"), d.get("ci"),
-                         f"{d['tasks']} tasks; attempts per task {attempts}"])
+                         f"{d['tasks']} tasks; scored attempts per task: {scored}"])
     return ("<p>Recomputed from the traces each file names. Not the claim: these attempts "
             "were added after the preregistered evaluation was seen.</p>"
             + _table(["file", "suite", "comparison", "difference", "paired 95% CI", "scored"],

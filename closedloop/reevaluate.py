@@ -88,6 +88,9 @@ def evaluate_more(run_dir: Path, attempts: int, suite: str, baseline: bool,
     if not 0 < version <= final and not baseline:
         raise ValueError(f"--step must be in 1..{final} (the run's training.rl_steps), "
                          f"got {version}")
+    if baseline and is_sft_only(run_dir):
+        raise RunStateError(run_dir, "an SFT-only control is not a baseline (it has no RL "
+                            "checkpoint at v0000 to resume)", "pass the frozen arm as --baseline")
     sft_only = not baseline and is_sft_only(run_dir)
     if sft_only and version != final:
         raise ValueError(f"{run_dir.name} is an SFT-only control: it has no policy after "

@@ -145,5 +145,8 @@ def test_a_step_reevaluates_that_version_and_scores_the_preregistered_seeds_wher
     assert {runs[a]["episodes"] for a in runs} == {3 * HELDOUT_TASKS}  # every policy, same seeds
     with pytest.raises(ValueError, match=r"--step must be in 1\.\.2"):
         reevaluate_experiment(exp, 2, step=3)
+    with pytest.raises(RunStateError, match="not a baseline"):
+        reevaluate(exp / "arms" / "sft_only", [exp / "arms" / "rloo"], 2)
+    assert not any((exp / "arms" / "sft_only" / "checkpoints").glob("*"))  # untouched
     with pytest.raises(ValueError, match="SFT-only control"):
         reevaluate(exp / "arms" / "frozen", [exp / "arms" / "sft_only"], 2, step=1)

@@ -150,7 +150,7 @@ def capability_claim(gates: GateReport, comparison: Mapping[str, Any]) -> dict[s
             f"no gain (the interval includes 0): {comparison['what']} = {span}. No gain is "
             f"claimed, and none is ruled out: an effect smaller than about {half:.2f} (half "
             "the interval's width) is not resolved by this evaluation; more attempts per task "
-            "narrow it about as 1/sqrt(attempts) (closedloop reevaluate)."}
+            "narrow it, at best as 1/sqrt(attempts) (closedloop reevaluate)."}
 
 
 SUITE_TITLES = {"family": "family-disjoint", "train": "train tasks, in distribution"}

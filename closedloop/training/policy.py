@@ -92,8 +92,9 @@ class RunPolicy(RunState):
 
     def load_version(self, version: str) -> PolicyManifest:
         """Load a published version's adapter into the policy and the generator (to evaluate
-        an earlier policy of a finished run; the run's checkpoint is untouched). Raises
-        ``RegistryError`` unless the loaded weights are exactly the manifest's."""
+        an earlier policy of a finished run; the run's checkpoint is untouched, and the run
+        must not train or checkpoint afterwards). Raises ``RegistryError`` unless the loaded
+        weights are exactly the manifest's."""
         manifest = self.registry.manifest(version)
         state = self.registry.load_state_dict(version)  # checksum verified on read
         current = split_state_dict(self.model)[1]

@@ -88,10 +88,10 @@ def evaluate_more(run_dir: Path, attempts: int, suite: str, baseline: bool,
     if not 0 < version <= final and not baseline:
         raise ValueError(f"--step must be in 1..{final} (the run's training.rl_steps), "
                          f"got {version}")
-    if baseline and is_sft_only(run_dir):
+    sft_only = is_sft_only(run_dir)
+    if sft_only and baseline:
         raise RunStateError(run_dir, "an SFT-only control is not a baseline (it has no RL "
                             "checkpoint at v0000 to resume)", "pass the frozen arm as --baseline")
-    sft_only = not baseline and is_sft_only(run_dir)
     if sft_only and version != final:
         raise ValueError(f"{run_dir.name} is an SFT-only control: it has no policy after "
                          f"{version} RL steps, only its final one")
@@ -181,8 +181,7 @@ def reevaluate_experiment(exp_dir: Path, attempts: int, suite: str = "heldout",
                           step: int | None = None) -> dict[str, Any]:
     """``reevaluate`` an experiment directory's frozen arm (baseline) against its finished RL
     arm, shuffled-reward null and (without ``step``) SFT-only control; the result is also
-    written to
-    ``reevaluation-<suite>-more<attempts>[-v<step>].json`` there (atomically)."""
+    written to ``reevaluation-<suite>-more<attempts>[-v<step>].json`` there (atomically)."""
     arms = exp_dir / "arms"
     names = ("rloo", "shuffled") if step is not None else ("rloo", "shuffled", "sft_only")
     treated = [arms / name for name in names if (arms / name).is_dir()]

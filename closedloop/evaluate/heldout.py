@@ -15,7 +15,12 @@ from typing import Any
 
 from closedloop.contracts import Episode
 from closedloop.errors import EmptySampleError, MixedPolicyGroupError
-from closedloop.evaluate.stats import bootstrap_mean_ci, pass_at_k, pass_hat_k
+from closedloop.evaluate.stats import (
+    bootstrap_mean_ci,
+    paired_bootstrap_ci,
+    pass_at_k,
+    pass_hat_k,
+)
 
 
 @dataclass(frozen=True)
@@ -121,3 +126,20 @@ def summarize_eval(episodes: Sequence[Episode], k: int = 3, seed: int = 0) -> Ev
         termination=dict(Counter(ep.trajectory.termination.value for ep in episodes)),
         episodes=len(episodes),
     )
+
+
+def paired_difference(a: EvalSummary | None, b: EvalSummary | None, seed: int,
+                      what: str) -> dict[str, Any]:
+    """Paired bootstrap CI of per-task success ``a - b`` over the tasks scored in both
+    (``measured`` False, with the reason, when an evaluation is missing or fewer than 2 tasks
+    are common); ``what`` names the comparison."""
+    if a is None or b is None:
+        return {"what": what, "measured": False, "detail": "an evaluation is missing"}
+    sa, sb = a.per_task_success(), b.per_task_success()
+    common = sorted(set(sa) & set(sb))
+    if len(common) < 2:
+        return {"what": what, "measured": False, "tasks": len(common),
+                "detail": f"{len(common)} tasks scored in both evaluations (need 2)"}
+    ci = paired_bootstrap_ci({k: sa[k] for k in common}, {k: sb[k] for k in common}, seed=seed)
+    return {"what": what, "measured": True, "tasks": len(common), "estimate": ci.estimate,
+            "ci": [ci.lo, ci.hi], "n_boot": ci.n_boot, "alpha": ci.alpha}

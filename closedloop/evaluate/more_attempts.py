@@ -20,10 +20,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from closedloop.contracts import load_episodes
-from closedloop.errors import TraceFormatError
-from closedloop.evaluate.heldout import summarize_eval
-from closedloop.evaluate.stats import paired_bootstrap_ci
+from closedloop.contracts import Episode, load_episodes
+from closedloop.errors import EmptySampleError, MixedPolicyGroupError, TraceFormatError
+from closedloop.evaluate.heldout import EvalSummary, paired_difference, summarize_eval
 
 REEVALUATION_GLOB = "reevaluation-*.json"
 
@@ -32,14 +31,14 @@ def _not_measured(path: Path, detail: str) -> dict[str, Any]:
     return {"file": path.name, "measured": False, "detail": detail}
 
 
-def _arm(exp_dir: Path, name: str, traces: Any, seed: int) -> dict[str, Any] | str:
-    """One arm's pooled per-task success from the named traces, or why it is not measured."""
+def _arm(exp_dir: Path, name: str, traces: Any, seed: int) -> EvalSummary | str:
+    """One arm's pooled evaluation from the named traces, or why it is not measured."""
     if not isinstance(traces, list) or not traces or not all(
             isinstance(t, str) and t and "/" not in t and "\\" not in t and t not in (".", "..")
             for t in traces):
         return f"arm {name!r}: 'traces' must list trace file names"
     folder = exp_dir / "arms" / name / "traces"
-    episodes = []
+    episodes: list[Episode] = []
     for trace in traces:
         if not (folder / trace).is_file():
             return f"arm {name!r}: {trace} is missing"
@@ -47,14 +46,12 @@ def _arm(exp_dir: Path, name: str, traces: Any, seed: int) -> dict[str, Any] | s
             episodes += load_episodes(folder / trace)[1]
         except TraceFormatError as exc:
             return f"arm {name!r}: {exc}"
-    versions = sorted({ep.trajectory.behavior_policy_version for ep in episodes})
-    if len(versions) != 1:
-        return f"arm {name!r}: its traces hold {len(versions)} policy versions {versions}"
-    summary = summarize_eval(episodes, k=1, seed=seed)
-    scored = [t.n for t in summary.tasks if t.n > 0]
-    return {"version": versions[0], "success": summary.pass_at_1, "episodes": len(episodes),
-            "attempts_per_task": [min(scored), max(scored)] if scored else None,
-            "traces": list(traces), "per_task": summary.per_task_success()}
+    try:
+        return summarize_eval(episodes, k=1, seed=seed)
+    except MixedPolicyGroupError as exc:
+        return f"arm {name!r}: its traces mix policy versions ({exc})"
+    except EmptySampleError:
+        return f"arm {name!r}: its traces hold no episodes"
 
 
 def read_reevaluation(exp_dir: Path, path: Path, seed: int) -> dict[str, Any]:
@@ -62,30 +59,31 @@ def read_reevaluation(exp_dir: Path, path: Path, seed: int) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
         suite, runs, pairs = data["suite"], data["runs"], data["diffs"]
-        named = {name: rec["traces"] for name, rec in runs.items()}
+        named = {str(name): rec["traces"] for name, rec in runs.items()}
         pairs = [(d["treated"], d["baseline"]) for d in pairs]
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         return _not_measured(path, f"unreadable ({type(exc).__name__}: {exc})")
-    arms: dict[str, dict[str, Any]] = {}
+    summaries: dict[str, EvalSummary] = {}
     for name, traces in named.items():
-        arm = _arm(exp_dir, str(name), traces, seed)
-        if isinstance(arm, str):
-            return _not_measured(path, arm)
-        arms[str(name)] = arm
+        summary = _arm(exp_dir, name, traces, seed)
+        if isinstance(summary, str):
+            return _not_measured(path, summary)
+        summaries[name] = summary
     diffs = []
     for treated, base in pairs:
-        if treated not in arms or base not in arms:
+        if treated not in summaries or base not in summaries:
             return _not_measured(path, f"pair {treated} - {base} names an arm it did not pool")
-        a, b = arms[treated]["per_task"], arms[base]["per_task"]
-        common = sorted(set(a) & set(b))
-        row: dict[str, Any] = {"treated": treated, "baseline": base,
-                               "what": f"{treated} {arms[treated]['version']} - {base} "
-                                       f"{arms[base]['version']}", "tasks": len(common)}
-        if len(common) >= 2:
-            ci = paired_bootstrap_ci({t: a[t] for t in common}, {t: b[t] for t in common},
-                                     seed=seed)
-            row.update(estimate=ci.estimate, ci=[ci.lo, ci.hi])
-        diffs.append(row)
+        a, b = summaries[treated], summaries[base]
+        what = f"{treated} {a.policy_version} - {base} {b.policy_version}"
+        diffs.append({"treated": treated, "baseline": base,
+                      **paired_difference(a, b, seed, what)})
+    arms = {}
+    for name, s in summaries.items():
+        scored = [t.n for t in s.tasks if t.n > 0]
+        arms[name] = {"version": s.policy_version, "success": s.pass_at_1,
+                      "episodes": s.episodes, "traces": list(named[name]),
+                      "attempts_per_task": [min(scored), max(scored)] if scored else None,
+                      "per_task": s.per_task_success()}
     return {"file": path.name, "measured": True, "suite": suite,
             "step": data.get("step"), "arms": arms, "diffs": diffs}
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from closedloop.errors import StatsInputError
 from closedloop.evaluate.gates import GateOptions, GateReport, evaluate_gates, main_run_of
-from closedloop.evaluate.heldout import EvalSummary
+from closedloop.evaluate.heldout import EvalSummary, paired_difference
 from closedloop.evaluate.learning import cold_start_table, heldout_curve, zero_variance_table
 from closedloop.evaluate.more_attempts import reevaluations
 from closedloop.evaluate.plots import (
@@ -44,7 +44,7 @@ from closedloop.evaluate.rundir import (
     find_arms,
     load_run,
 )
-from closedloop.evaluate.stats import paired_bootstrap_ci, wilson_interval
+from closedloop.evaluate.stats import wilson_interval
 
 __all__ = ["REPORT_SCHEMA", "build_report", "capability_claim", "render_html", "write_report"]
 
@@ -65,21 +65,6 @@ def _heldout(summary: EvalSummary | None) -> dict[str, Any] | None:
     return out
 
 
-def _paired(a: EvalSummary | None, b: EvalSummary | None, seed: int,
-            what: str) -> dict[str, Any]:
-    """Paired bootstrap CI of per-task success a - b over the tasks scored in both."""
-    if a is None or b is None:
-        return {"what": what, "measured": False, "detail": "an evaluation is missing"}
-    sa, sb = a.per_task_success(), b.per_task_success()
-    common = sorted(set(sa) & set(sb))
-    if len(common) < 2:
-        return {"what": what, "measured": False, "tasks": len(common),
-                "detail": f"{len(common)} tasks scored in both evaluations (need 2)"}
-    ci = paired_bootstrap_ci({k: sa[k] for k in common}, {k: sb[k] for k in common}, seed=seed)
-    return {"what": what, "measured": True, "tasks": len(common), "estimate": ci.estimate,
-            "ci": [ci.lo, ci.hi], "n_boot": ci.n_boot, "alpha": ci.alpha}
-
-
 def _arms(run: RunDir, seed: int, final: EvalSummary | None) -> dict[str, Any]:
     """Each arm's held-out result (final, or start for the never-updated frozen arm) and its
     paired difference from the frozen arm."""
@@ -94,10 +79,11 @@ def _arms(run: RunDir, seed: int, final: EvalSummary | None) -> dict[str, Any]:
                                "result": _heldout(summary)}
         if frozen is not None and name != frozen:
             f_label, f_summary = results[frozen]
-            row["vs_frozen"] = _paired(summary, f_summary, seed,
+            row["vs_frozen"] = paired_difference(summary, f_summary, seed,
                                        f"{name} {label} - {frozen} {f_label}")
         if "shuffl" in name.lower():
-            row["rl_minus_null"] = _paired(final, summary, seed, f"RL final - {name} {label}")
+            row["rl_minus_null"] = paired_difference(final, summary, seed,
+                                                     f"RL final - {name} {label}")
         out[name] = row
     return out
 
@@ -178,14 +164,16 @@ def suite_comparison(run: RunDir, seed: int, suite: str) -> dict[str, Any]:
     if final is None and base is None:
         return {"measured": False, "what": what, "detail": f"no {title} evaluation"}
     out = {"start": _heldout(base), "final": _heldout(final),
-           "comparison": _paired(final, base, seed, what)}
+           "comparison": paired_difference(final, base, seed, what)}
     null = None if shuffled is None else eval_summary(load_run(shuffled), f"final-{suite}")
-    out["control"] = (_paired(null, base, seed, f"shuffled final - frozen start ({title})")
+    out["control"] = (paired_difference(null, base, seed,
+                                        f"shuffled final - frozen start ({title})")
                       if null is not None
                       else {"measured": False, "what": "shuffled-reward control",
                             "detail": "the shuffled arm was not evaluated on this suite"})
     if null is not None:
-        out["rl_minus_null"] = _paired(final, null, seed, f"RL final - shuffled final ({title})")
+        out["rl_minus_null"] = paired_difference(final, null, seed,
+                                                 f"RL final - shuffled final ({title})")
     return out
 
 
@@ -293,17 +281,17 @@ def build_report(run_dir: str | Path, gates: GateReport | None = None,
     start, final = eval_summary(run, "start"), eval_summary(run, "final")
     arms = _arms(run, seed, final)
     frozen = next((a for n, a in sorted(arms.items()) if "frozen" in n.lower()), None)
-    comparison = _paired(final, start, seed, "final - start")
+    comparison = paired_difference(final, start, seed, "final - start")
     if frozen is not None and frozen["result"] is not None:
         label, frozen_summary = arm_evaluation(load_run(frozen["path"]))
-        comparison = _paired(final, frozen_summary, seed, f"RL final - frozen {label}")
+        comparison = paired_difference(final, frozen_summary, seed, f"RL final - frozen {label}")
     report = {
         "schema": REPORT_SCHEMA,
         "run": {"path": str(run.path), "model": run.config.get("model"), **run.config_meta},
         "claim": capability_claim(gates, comparison),
         "gates": gates.to_dict(),
         "heldout": {"start": _heldout(start), "final": _heldout(final),
-                    "final_minus_start": _paired(final, start, seed, "final - start")},
+                    "final_minus_start": paired_difference(final, start, seed, "final - start")},
         "arms": arms,
         "retain_suites": _retain(run, seed),
         "verifier": _verifier(gates),

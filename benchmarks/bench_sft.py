@@ -1,9 +1,10 @@
 """Benchmark (not a test): one supervised warm-start step's forward+backward, packed vs padded.
 
 What ``supervised_warm_start`` runs per optimizer step: ``closedloop.learn.sft.sft_backward``
-over a batch of ``--episodes`` demonstration episodes (cfg ``sft.batch_size``, 8), under bf16
-autocast as the warm start runs it (cfg ``sft.bf16_autocast``; ``--fp32`` turns it off). Two
-modes, alternated in rotated order on the same batch and the same trainable LoRA parameters:
+over a batch of ``--episodes`` demonstration episodes (cfg ``sft.batch_size``, 8), at the matmul
+precision the run's precision policy resolves on this host (``--precision``, default ``auto``;
+``closedloop.engine.host_precision``), as the warm start runs it. Two modes, alternated in
+rotated order on the same batch and the same trainable LoRA parameters:
 
 - ``packed``: ``sft_backward`` as it is since commit dd8b1ad: micro-batches of ``--micro`` (8)
   rows, each one decoder call with the prompt head its rows share (the scaffold's system
@@ -14,7 +15,7 @@ modes, alternated in rotated order on the same batch and the same trainable LoRA
 
 Neither mode steps the optimizer (gradients are zeroed before each run), so every repeat scores
 the same weights. Before timing, one untimed run of each mode checks that both give the same
-loss (relative tolerance 1e-2 under bf16 autocast, 1e-4 in fp32) and the same action-token
+loss (relative tolerance 1e-2 in bf16, 1e-4 in fp32) and the same action-token
 count, and that both produced gradients; a broken comparison stops before any ratio is printed.
 
 The demonstrations are real: the noisy expert (cfg ``sft.noise_rate``) through the collector on
@@ -29,7 +30,7 @@ Tokens/s counts every real (non-pad) id of the batch. The headline is ``padded``
 step over ``packed`` seconds per step (median of the per-repeat ratios).
 
     .venv/bin/python benchmarks/bench_sft.py [--episodes 8] [--micro 8] [--old-micro 2]
-        [--repeats 3] [--max-turns 8] [--fp32] [--threads 1] [--quick]
+        [--repeats 3] [--max-turns 8] [--precision auto] [--threads 1] [--quick]
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from _common import emit, machine_label, median, rotate, set_threads
 
 from closedloop.config import SFTSection, TrainingSection
 from closedloop.contracts import Episode, SamplerConfig, content_hash, sha256_hex
-from closedloop.engine import sequence_logprobs
+from closedloop.engine import matmul_precision, resolve_precision, sequence_logprobs
 from closedloop.envs.plugin import ScriptedPolicyLike, TaskSetRequest, resolve_package
 from closedloop.learn.sft import sft_backward
 from closedloop.policy import attach_lora, build_tiny_model, load_model, load_tokenizer
@@ -140,7 +141,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument("--old-micro", type=int, default=2, help="padded micro-batch rows (before)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-turns", type=int, default=8)
-    ap.add_argument("--fp32", action="store_true", help="no bf16 autocast")
+    ap.add_argument("--precision", choices=["auto", "float32", "bfloat16"], default="auto")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="tiny random model (smoke only)")
     ap.add_argument("--summary")
@@ -149,7 +150,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         args.repeats = 3
     set_threads(args.threads)
     print(f"[sft] machine: {machine_label()}")
-    bf16 = not args.fp32
+    precision = resolve_precision(args.precision).precision
+    bf16 = precision == "bfloat16"
     t0 = time.perf_counter()
     tokenizer = load_tokenizer()
     pad_id = int(tokenizer.pad_token_id or 0)
@@ -165,11 +167,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     print(f"[sft] batch: {len(demos)} noisy-expert episodes ({solved} solved; collected in "
           f"{t_demo:.1f}s), lengths {min(lengths)}..{max(lengths)} ids, {n_tok} tokens "
           f"({n_act} action tokens); {'tiny random model' if args.quick else 'embedded model'}"
-          f" + LoRA r=8 on q,k,v,o,gate,up,down; {'bf16 autocast' if bf16 else 'fp32'}")
+          f" + LoRA r=8 on q,k,v,o,gate,up,down; {precision} matmuls")
 
     def run(fn: Callable[..., tuple[float, int]], micro: int) -> tuple[float, int]:
         model.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with matmul_precision(model, precision):
             return fn(model, demos, pad_id, micro)
 
     modes: dict[str, Callable[[], tuple[float, int]]] = {

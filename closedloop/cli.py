@@ -12,6 +12,7 @@ from typing import Any, TypeAlias
 
 from closedloop.engine import tune_allocator
 from closedloop.errors import ClosedloopError, EnvPackageError
+from closedloop.progress import phase_lines, phase_times, reset_phases
 
 OVERRIDE_HELP = ("resume a run directory with a config that differs from the one it "
                  "recorded; REASON and the differing keys are kept in launches.jsonl")
@@ -153,13 +154,16 @@ def cmd_collect(args: argparse.Namespace) -> int:
     from collections import Counter
 
     from closedloop.contracts import SamplerConfig, TraceWriter
-    from closedloop.engine import HFGenerator
+    from closedloop.engine import HFGenerator, precision_label, resolve_precision, warn_if_emulated
     from closedloop.policy import load_model
     from closedloop.progress import Progress, log
     from closedloop.rollout.source import GeneratorSource
     from closedloop.runtime import CollectorParts, build_manifest, make_collector, make_renderer
 
     package = _package(args)
+    precision = resolve_precision(args.precision)
+    log(f"precision: {precision.describe()}")
+    warn_if_emulated(precision)
     loaded = load_model(None if args.model in (None, "embedded") else args.model)
     log(f"model {loaded.model_id} from {loaded.source} in {loaded.load_seconds:.1f}s")
     renderer = make_renderer(loaded.tokenizer, package)
@@ -168,9 +172,10 @@ def cmd_collect(args: argparse.Namespace) -> int:
                               tokenizer_revision=loaded.tokenizer_revision, renderer=renderer,
                               sampler=sampler, step_budget=args.max_turns,
                               max_action_tokens=args.max_action_tokens,
-                              model_id=loaded.model_id)
+                              model_id=loaded.model_id,
+                              dtype=precision_label(precision.precision))
     gen = HFGenerator(loaded.model, loaded.tokenizer, weight_checksum=loaded.weight_checksum,
-                      seed=args.seed)
+                      seed=args.seed, precision=precision.precision)
     source = GeneratorSource(gen, renderer.action_text, sampler, args.max_action_tokens,
                              manifest.generator_build)
     tasks = _task_sets(package, None if args.tasks == "all" else args.tasks)[: args.limit]
@@ -275,6 +280,8 @@ def _run_experiment(cfg: Any, args: argparse.Namespace) -> int:
         lines += _report_lines(report.with_suffix(".json"))
         lines.append(f"report: {report}")
     lines.append(f"wall time: {(time.perf_counter() - t0) / 60:.1f} min")
+    lines += ["== where the time went (this launch) ==",
+              *phase_lines(result.get("phases_this_launch") or [])]
     _print({**result, "report": str(report) if report else None}, args.json, "\n".join(lines))
     return 0
 
@@ -410,10 +417,12 @@ def _run_training(cfg: Any, args: argparse.Namespace) -> int:
     if getattr(args, "model", None):
         cfg = cfg.with_overrides(model=args.model)
     run_dir = Path(args.run_dir or Path(cfg.run_dir) / time.strftime("run-%Y%m%d-%H%M%S"))
+    reset_phases()
     summary = train(cfg, run_dir, args.override_config)
     report = _write_report(run_dir)
     summary["report"] = str(report) if report else None
     text = "\n".join(f"{k}: {v}" for k, v in summary.items() if k != "seconds_by_step")
+    text += "\n== where the time went (this launch) ==\n" + "\n".join(phase_lines(phase_times()))
     _print(summary, args.json, "\n== summary ==\n" + text)
     return 0
 
@@ -498,6 +507,9 @@ def _add_env_commands(sub: _Subcommands) -> list[argparse.ArgumentParser]:
     co.add_argument("--max-action-tokens", type=int, default=96)
     co.add_argument("--limit", type=int, help="only the first N tasks")
     co.add_argument("--seed", type=int, default=11)
+    co.add_argument("--precision", choices=["auto", "float32", "bfloat16"], default="auto",
+                    help="matmul precision (auto: bfloat16 where the CPU multiplies it "
+                    "natively, float32 elsewhere)")
     co.add_argument("--out", help="trace path (default runs/collect/<time>.jsonl)")
     co.set_defaults(fn=cmd_collect)
     return [t, pl, r, co]

@@ -179,11 +179,13 @@ class TrainingSection:
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     seed: int = 0
     dtype: Literal["float32"] = "float32"
-    # Matmul precision of sampling and training (closedloop.engine.precision). On AMX CPUs
-    # bfloat16 decodes ~1.4x and updates ~1.8x faster, but the generator/trainer log-prob gap
-    # grows from ~1e-5 to ~1e-1: the audit bounds it by the bf16 same-engine baseline
-    # (consistency.tolerance_source), or by max_abs_tolerance with the 'fixed' source.
-    precision: Literal["float32", "bfloat16"] = "float32"
+    # Matmul precision of every path (warm start, sampling, training, scoring, evaluation,
+    # audit), resolved once per run by the precision policy (closedloop.engine.host_precision):
+    # auto = bfloat16 where the CPU multiplies bf16 natively (AMX-BF16, AVX512-BF16), float32
+    # elsewhere. On AMX CPUs bfloat16 decodes ~1.4x and updates ~1.8x faster, but the
+    # generator/trainer log-prob gap grows from ~1e-5 to ~1e-1: the audit bounds it by the bf16
+    # same-engine baseline (consistency.tolerance_source), or by max_abs_tolerance ('fixed').
+    precision: Literal["auto", "float32", "bfloat16"] = "auto"
 
 
 @dataclass(frozen=True)
@@ -196,7 +198,6 @@ class SFTSection:
     learning_rate: float = 1e-3
     noise_rate: float = 0.15
     batch_size: int = 8
-    bf16_autocast: bool = True
 
 
 @dataclass(frozen=True)
@@ -403,21 +404,6 @@ def dump_config(cfg: RunConfig) -> str:
 SECTION_NAMES = tuple(f.name for f in fields(RunConfig))
 
 
-def host_has_native_bf16(cpuinfo: str | None = None) -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AMX-BF16 or AVX512-BF16 in its flags):
-    where bf16 matmuls are measured faster than fp32 (benchmarks/RESULTS.md, design.md §6)."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            return False
-    flags = set()
-    for line in cpuinfo.splitlines():
-        if line.startswith("flags"):
-            flags.update(line.split(":", 1)[-1].split())
-    return bool({"amx_bf16", "avx512_bf16"} & flags)
-
-
 def smoke_config() -> RunConfig:
     """The smoke experiment's defaults: the seed's YAML, scaled to 2 CPU cores.
 
@@ -436,20 +422,15 @@ def smoke_config() -> RunConfig:
       nothing to sharpen there, and a held-out suite half made of such tasks halves the effect
       a 16-task interval must resolve;
     - 128 action tokens (the longest gold edit is ~100 tokens);
-    - bfloat16 matmuls where the CPU multiplies bf16 natively (faster there), audited against
-      the bf16 same-engine baseline; float32 elsewhere;
     - RL learning rate 2e-4: at 5e-4 the KL to the warm start passed 1 within six steps in the
       rloo and the shuffled-reward arm alike (train-side evidence: the step was too large
       for its signal).
     """
     levels = ["exact"]
-    precision: Literal["float32", "bfloat16"] = (
-        "bfloat16" if host_has_native_bf16() else "float32")
     return RunConfig(
         environment=EnvironmentSection(train_levels=levels, heldout_levels=levels),
         rollout=RolloutSection(temperature=0.7, max_action_tokens=128),
         credit=CreditSection(censor_rule="drop_censored"),
-        training=TrainingSection(rl_steps=6, groups_per_step=3, learning_rate=2e-4,
-                                 precision=precision),
+        training=TrainingSection(rl_steps=6, groups_per_step=3, learning_rate=2e-4),
         sft=SFTSection(enabled=True, demonstrations=48, epochs=3, learning_rate=2e-3),
         run_dir="runs")

@@ -328,6 +328,10 @@ class PrecisionError(ClosedloopError, ValueError):
     """An unknown matmul precision name (not one of ``engine.PRECISIONS``)."""
 
 
+class EmulatedBf16Warning(UserWarning):
+    """bfloat16 matmuls forced on a host that emulates them (many times slower than float32)."""
+
+
 class LogprobInputError(ContractError):
     """Ids and masks disagree in shape, or a row's real tokens are not contiguous."""
 

@@ -22,12 +22,14 @@ from typing import Any, Literal
 
 from closedloop.config import RunConfig
 from closedloop.contracts import load_episodes
+from closedloop.engine import PrecisionChoice
 from closedloop.errors import RunStateError
 from closedloop.evaluate.heldout import EvalSummary, summarize_eval
 from closedloop.evaluate.stats import paired_bootstrap_ci
 from closedloop.loop import evaluate_start, final_suites, opened_run, train
 from closedloop.policy.registry import atomic_write_bytes, version_name
-from closedloop.progress import log
+from closedloop.progress import log, phase, phase_times, reset_phases
+from closedloop.run_integrity import recorded_meta
 from closedloop.training.evaluation import eval_name
 
 ARMS = ("frozen", "rloo", "shuffled", "sft_only")
@@ -74,9 +76,17 @@ def _cold_start(cfg: RunConfig, frozen_dir: Path, config_override: str | None = 
             run.audit_frozen("start", manifest)
 
 
+def cold_start_precision(frozen_dir: Path) -> PrecisionChoice | None:
+    """The precision the cold start resolved (its config.json): every arm of the experiment
+    adopts it, so the arms compute alike even where a measured race decided."""
+    recorded = recorded_meta(frozen_dir).get("precision")
+    return None if recorded is None else PrecisionChoice.from_dict(recorded)
+
+
 def _sft_only(cfg: RunConfig, arm_dir: Path, tokens: int,
-              config_override: str | None = None) -> None:
-    with opened_run(cfg, arm_dir, config_override) as run:
+              config_override: str | None = None,
+              precision: PrecisionChoice | None = None) -> None:
+    with opened_run(cfg, arm_dir, config_override, precision) as run:
         if not (arm_dir / "traces" / "eval-final.jsonl").is_file():
             run.publish(version_name(0))
             run.sft_only(tokens, "matched")
@@ -121,8 +131,11 @@ def run_experiment(cfg: RunConfig, exp_dir: str | Path,
     root = Path(exp_dir)
     arms = {name: root / "arms" / name for name in ARMS}
     t0 = time.perf_counter()
+    reset_phases()
     log("experiment: cold start (warm start, start evaluation, audit) = the frozen arm")
-    _cold_start(cfg, arms["frozen"], config_override)
+    with phase("cold start (the frozen arm)"):
+        _cold_start(cfg, arms["frozen"], config_override)
+    precision = cold_start_precision(arms["frozen"])
     controls: tuple[tuple[str, Literal["none", "shuffle_within_group"]], ...] = (
         ("rloo", "none"), ("shuffled", "shuffle_within_group"))
     for name, control in controls:
@@ -132,16 +145,21 @@ def run_experiment(cfg: RunConfig, exp_dir: str | Path,
         if not (arms[name] / "summary.json").is_file():
             _copy_cold_start(arms["frozen"], arms[name])
             log(f"experiment: arm {name}")
-            train(arm_cfg, arms[name], config_override, final_other_suites=name in SUITE_ARMS,
-                  final_retain=name == "rloo")
+            with phase(f"arm {name}"):
+                train(arm_cfg, arms[name], config_override,
+                      final_other_suites=name in SUITE_ARMS, final_retain=name == "rloo",
+                      precision=precision)
         elif name in SUITE_ARMS:
             _final_suites(arm_cfg, arms[name], config_override)
     tokens = _trained_tokens(arms["rloo"])
     _copy_cold_start(arms["frozen"], arms["sft_only"])
     log(f"experiment: arm sft_only, matched to {tokens} RL action tokens")
-    _sft_only(cfg, arms["sft_only"], tokens, config_override)
+    with phase("arm sft_only"):
+        _sft_only(cfg, arms["sft_only"], tokens, config_override, precision)
     result = summarize_experiment(cfg, arms, tokens)
     result["wall_s_this_launch"] = time.perf_counter() - t0
+    result["phases_this_launch"] = phase_times()
+    result["precision"] = precision.to_dict() if precision is not None else None
     # replicates treat an existing experiment.json as a finished replicate: never half-written
     atomic_write_bytes(root / "experiment.json",
                        (json.dumps(result, indent=2, sort_keys=True) + "\n").encode())

@@ -21,10 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from closedloop.config import RunConfig
+from closedloop.engine import PrecisionChoice
 from closedloop.evaluate.heldout import EvalSummary
 from closedloop.evaluate.retain import retain_delta
 from closedloop.policy.registry import version_name
-from closedloop.progress import log
+from closedloop.progress import log, phase
 from closedloop.training import StepReport, TrainingRun, write_summary
 
 
@@ -73,11 +74,12 @@ def evaluate_curve_point(run: TrainingRun, step: int) -> None:
 
 
 @contextmanager
-def opened_run(cfg: RunConfig, run_dir: str | Path,
-               config_override: str | None = None) -> Iterator[TrainingRun]:
-    """The run directory opened (locked, checked), its warm start done or reloaded (π_ref = the
-    warm-started policy, "initial_sft") and the RL adapter attached; closed on exit."""
-    run = TrainingRun(cfg, run_dir, config_override)
+def opened_run(cfg: RunConfig, run_dir: str | Path, config_override: str | None = None,
+               precision: PrecisionChoice | None = None) -> Iterator[TrainingRun]:
+    """The run directory opened (locked, checked; ``precision``: a resolution to adopt on its
+    first launch), its warm start done or reloaded (π_ref = the warm-started policy,
+    "initial_sft") and the RL adapter attached; closed on exit."""
+    run = TrainingRun(cfg, run_dir, config_override, precision)
     try:
         if cfg.sft.enabled:
             run.warm_start()
@@ -88,13 +90,14 @@ def opened_run(cfg: RunConfig, run_dir: str | Path,
 
 
 def train(cfg: RunConfig, run_dir: str | Path, config_override: str | None = None,
-          final_other_suites: bool = True, final_retain: bool = True) -> dict[str, Any]:
+          final_other_suites: bool = True, final_retain: bool = True,
+          precision: PrecisionChoice | None = None) -> dict[str, Any]:
     """Run (or resume) a whole experiment and return its summary (``config_override``: the
     declared reason for a config that differs from the run directory's). ``final_other_suites``
     / ``final_retain`` False skip the final policy's evaluations on ``final_suites`` / the
     retain suites (an experiment's control arm: those claims are the RL arm's); the summary's
-    ``retain_delta`` is then None."""
-    with opened_run(cfg, run_dir, config_override) as run:
+    ``retain_delta`` is then None. ``precision``: see ``opened_run``."""
+    with opened_run(cfg, run_dir, config_override, precision) as run:
         if not run.resume():
             run.publish(version_name(0))
         start = evaluate_start(run)
@@ -106,7 +109,8 @@ def train(cfg: RunConfig, run_dir: str | Path, config_override: str | None = Non
         evaluate_curve_point(run, run.step)  # a crash between a step and its curve point
         steps: list[StepReport] = []
         for step in range(run.step, cfg.training.rl_steps):
-            report = run.rl_step(step)  # behaviour = registry.manifest(v_step), frozen
+            with phase(f"rl step {step}"):
+                report = run.rl_step(step)  # behaviour = registry.manifest(v_step), frozen
             steps.append(report)
             log(f"step {step}: success {report.mean_success}, admitted {report.admitted}/"
                 f"{report.groups} groups, zero-variance {report.zero_variance}, "

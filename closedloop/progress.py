@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
+from collections.abc import Iterator
 from types import TracebackType
-from typing import IO
+from typing import IO, Any
 
 
 class Progress:
@@ -54,3 +56,40 @@ class Progress:
 def log(message: str) -> None:
     """Print a timestamped status line to stderr."""
     print(f"[closedloop {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+_PHASES: list[dict[str, Any]] = []
+_DEPTH = [0]
+
+
+@contextlib.contextmanager
+def phase(name: str) -> Iterator[None]:
+    """Time a phase of this process's work (nested phases are indented under their parent);
+    ``phase_times`` lists every phase timed since ``reset_phases``, in start order."""
+    entry: dict[str, Any] = {"phase": name, "depth": _DEPTH[0], "seconds": None}
+    _PHASES.append(entry)
+    _DEPTH[0] += 1
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        _DEPTH[0] -= 1
+        entry["seconds"] = time.perf_counter() - t0
+
+
+def phase_times() -> list[dict[str, Any]]:
+    """The phases timed since ``reset_phases`` (``phase``, ``depth``, ``seconds``)."""
+    return [dict(p) for p in _PHASES]
+
+
+def reset_phases() -> None:
+    """Forget the phases timed so far (at the start of a command)."""
+    _PHASES.clear()
+    _DEPTH[0] = 0
+
+
+def phase_lines(phases: list[dict[str, Any]]) -> list[str]:
+    """The phases as indented ``name  seconds`` lines."""
+    return [f"{'  ' * int(p['depth'])}{p['phase']:<{40 - 2 * int(p['depth'])}} "
+            f"{p['seconds'] if p['seconds'] is None else round(p['seconds'])} s"
+            for p in phases]

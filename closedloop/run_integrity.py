@@ -54,8 +54,8 @@ from closedloop.rollout.ledger_check import LedgerDigest
 
 __all__ = ["CheckpointSurvey", "ConfigDriftError", "RunDirectoryError", "RunLock",
            "RunLockedError", "RunProgress", "RunStateError", "check_agreement", "check_config",
-           "check_tasks", "config_differences", "prove_state", "require_complete", "supersede",
-           "survey_checkpoints"]
+           "check_tasks", "config_differences", "prove_state", "recorded_meta", "require_complete",
+           "supersede", "survey_checkpoints"]
 
 NEW_RUN_DIR = "start a new run directory (--run-dir)"
 
@@ -124,6 +124,16 @@ def recorded_config(run_dir: Path, unreadable: str) -> Any:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ConfigDriftError(path, f"cannot read the recorded config ({exc!r})",
                                unreadable) from None
+
+
+def recorded_meta(run_dir: Path) -> dict[str, Any]:
+    """What ``run_dir/config.json`` recorded beside the config (hash, git revision, versions,
+    the resolved precision); empty when there is no readable config.json yet."""
+    try:
+        data = json.loads((run_dir / "config.json").read_text("utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in data.items() if k != "config"} if isinstance(data, dict) else {}
 
 
 def recorded_config_differences(run_dir: Path, config: Mapping[str, Any],

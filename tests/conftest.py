@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+SUITE_CPU_FLAGS = "fpu sse2 avx avx2 fma"
+"""The precision policy resolves ``training.precision: auto`` from the host's CPU flags; the
+suite plays one host class (no native bf16, so ``auto`` is float32) on every CPU, subprocesses
+included, so its runs compute alike everywhere. Tests of the policy inject facts of their own."""
+os.environ["CLOSEDLOOP_CPU_FLAGS"] = SUITE_CPU_FLAGS
 
 TRAIN_TASKS, HELDOUT_TASKS, SEED = 2, 2, 0
 """The task sets the tiny agent is taught on (and every run that uses it trains on)."""

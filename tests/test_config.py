@@ -23,7 +23,7 @@ def test_the_seed_yaml_is_valid_as_written() -> None:
     cfg = load_config(SEED_YAML)
     assert cfg.model == "embedded"
     assert cfg.rollout.group_size == 8
-    assert cfg.training.precision == "float32"  # the default: generator and trainer agree
+    assert cfg.training.precision == "auto"  # resolved once per run from the host
 
 
 def test_resolved_config_round_trips_and_hashes_stably() -> None:
@@ -86,10 +86,8 @@ def test_missing_or_unreadable_config_file_is_a_config_error_naming_it(tmp_path:
         load_config(binary)
 
 
-def test_native_bf16_is_read_from_the_cpu_flags():
-    from closedloop.config import host_has_native_bf16
-
-    assert host_has_native_bf16("processor : 0\nflags : fpu sse2 avx512f amx_bf16 amx_tile\n")
-    assert host_has_native_bf16("flags\t\t: fpu avx512f avx512_bf16\n")
-    assert not host_has_native_bf16("flags : fpu sse2 avx2 avx512f\n")
-    assert not host_has_native_bf16("")
+def test_the_retired_bf16_autocast_key_is_refused() -> None:
+    data = seed_data()
+    data["sft"] = {"bf16_autocast": True}  # the warm start follows training.precision now
+    with pytest.raises(ConfigError, match=r"sft\.bf16_autocast"):
+        parse_config(data)

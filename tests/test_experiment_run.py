@@ -12,7 +12,7 @@ import torch
 
 from closedloop.config import parse_config
 from closedloop.contracts.metrics_log import read_metrics
-from closedloop.evaluate.report import build_report
+from closedloop.evaluate.report import build_report, render_html
 from closedloop.experiment import SUITE_ARMS, run_experiment
 from tests.conftest import short_run_config
 
@@ -50,7 +50,19 @@ def test_the_train_suite_is_compared_for_the_rl_arm_and_its_null_and_filled_in_o
     for suite in suites.values():  # the frozen arm is the baseline, never compared to itself
         assert "diff_vs_frozen" not in suite["arms"]["frozen"]
 
-    report = build_report(exp / "arms" / "rloo")["in_distribution"]
+    # one precision for the whole experiment, the cold start's, in every arm and the report;
+    # and the phases of the launch, each timed
+    assert result["precision"]["precision"] == "float32"
+    for arm in ("frozen", "rloo", "shuffled", "sft_only"):
+        meta = json.loads((exp / "arms" / arm / "config.json").read_text())
+        assert meta["precision"] == result["precision"]
+    phases = [p["phase"] for p in result["phases_this_launch"]]
+    assert phases[0] == "cold start (the frozen arm)" and "arm sft_only" in phases
+    assert {"eval start", "audit", "rl step 0", "arm rloo", "arm shuffled"} <= set(phases)
+    full = build_report(exp / "arms" / "rloo")
+    assert full["run"]["precision"]["precision"] == "float32"
+    assert "id='precision'>Precision: float32" in render_html(full)
+    report = full["in_distribution"]
     assert report["comparison"]["what"] == "RL final - frozen start (train tasks, in distribution)"
     assert report["comparison"]["estimate"] == train["arms"]["rloo"]["diff_vs_frozen"]["estimate"]
     assert report["control"]["what"] == ("shuffled final - frozen start "

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from closedloop.config import parse_config
 from closedloop.contracts import load_episodes
+from closedloop.engine import read_cpu_facts
 from closedloop.evaluate.gates.base import GateOptions
 from closedloop.evaluate.gates.signal import gate_ratio_on_policy
 from closedloop.evaluate.rundir import load_run
@@ -28,7 +29,22 @@ from closedloop.rollout.tensors import build_training_batch
 from closedloop.verify.task_sets import build_task_sets
 from tests.tiny_agent import build_tiny_agent
 
-pytestmark = pytest.mark.slow
+
+def _real_host_emulates_bf16() -> bool:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("CLOSEDLOOP_CPU_FLAGS", raising=False)
+        return read_cpu_facts().native_bf16 is False
+
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
+    _real_host_emulates_bf16(), reason="this CPU emulates bf16 (no amx_bf16/avx512_bf16): a "
+    "whole bf16 run takes ~100 s here; the bf16 rule is tested in tests/engine/test_precision.py")]
+
+
+@pytest.fixture(autouse=True)
+def _own_host_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This file runs bf16 for real, on the host's own (native) flags."""
+    monkeypatch.delenv("CLOSEDLOOP_CPU_FLAGS", raising=False)
 
 LABEL = "bfloat16-matmul/float32"
 

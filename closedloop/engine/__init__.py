@@ -10,6 +10,9 @@
 - **precision**: ``matmul_precision(model, name)`` runs every ``nn.Linear`` of ``model`` in
   ``float32`` or ``bfloat16`` matmuls inside a block; ``check_precision``/``precision_label``
   name it;
+- **precision policy**: ``resolve_precision`` / ``resolve_for_run`` decide a run's precision once
+  from the host (``CpuFacts``: native bf16 from the CPU flags, else a measured race), recorded
+  as a ``PrecisionChoice``;
 - **allocator**: ``tune_allocator`` keeps freed tensor memory in the process (glibc).
 
 ``closedloop.engine.reference`` holds the plain transformers path the fast ones are tested
@@ -21,6 +24,16 @@ model and imports no ``transformers``.
 
 from closedloop.engine.allocator import tune_allocator
 from closedloop.engine.hf_generator import GeneratorStats, HFGenerator, SessionId
+from closedloop.engine.host_precision import (
+    CpuFacts,
+    MatmulRates,
+    PrecisionChoice,
+    measure_matmul_rates,
+    read_cpu_facts,
+    resolve_for_run,
+    resolve_precision,
+    warn_if_emulated,
+)
 from closedloop.engine.logprobs import sequence_logprobs
 from closedloop.engine.precision import (
     PRECISIONS,
@@ -49,6 +62,9 @@ __all__ = [  # noqa: RUF022 -- grouped by topic, sorted within each group
     # matmul precision
     "PRECISIONS", "PrecisionError", "check_precision", "drop_bf16_copies", "matmul_precision",
     "precision_label",
+    # the precision policy
+    "CpuFacts", "MatmulRates", "PrecisionChoice", "measure_matmul_rates", "read_cpu_facts",
+    "resolve_for_run", "resolve_precision", "warn_if_emulated",
     # allocator
     "tune_allocator",
 ]

@@ -510,6 +510,15 @@ def _more_attempts_html(found: list[Mapping[str, Any]]) -> str:
                      rows, "more-attempts-table"))
 
 
+def _precision_html(precision: Any) -> str:
+    """The run's resolved matmul precision and why (config.json's record)."""
+    if not isinstance(precision, Mapping):
+        return "<p id='precision'>Precision: not recorded (a run before the precision policy).</p>"
+    return (f"<p id='precision'>Precision: {html.escape(str(precision.get('precision')))} "
+            f"(asked for {html.escape(str(precision.get('requested')))}: "
+            f"{html.escape(str(precision.get('reason')))})</p>")
+
+
 def render_html(report: Mapping[str, Any]) -> str:
     """The self-contained HTML page of a report dict (plots embedded as data URIs)."""
     claim = report["claim"]
@@ -526,6 +535,7 @@ def render_html(report: Mapping[str, Any]) -> str:
         f"<p>{_fmt(report['run'].get('path'))} — model {_fmt(report['run'].get('model'))}, "
         f"config {_fmt(report['run'].get('config_hash'))}, git "
         f"{_fmt(report['run'].get('git_revision'))}</p>",
+        _precision_html(report["run"].get("precision")),
         f"<p class='claim{' gain' if claim['gain'] else ''}' id='claim'>"
         f"{html.escape(claim['statement'])}</p>",
         "<h2>Go/no-go gates</h2>", _gates_html(report["gates"]),

@@ -178,6 +178,18 @@ class RunDir:
         value = self.config.get(name)
         return value if isinstance(value, dict) else {}
 
+    @property
+    def precision(self) -> str | None:
+        """The run's resolved matmul precision: the resolution config.json recorded, else the
+        trainer's (trainer.json), else the config's own value when it names one."""
+        recorded = self.config_meta.get("precision")
+        if isinstance(recorded, dict) and recorded.get("precision"):
+            return str(recorded["precision"])
+        if self.trainer and self.trainer.get("precision"):
+            return str(self.trainer["precision"])
+        value = self.section("training").get("precision")
+        return str(value) if value in ("float32", "bfloat16") else None
+
     def traces_of(self, kind: TraceKind) -> list[TraceFile]:
         """Trace files of one kind in name order (steps in step order)."""
         return [t for t in self.traces.values() if t.kind == kind]

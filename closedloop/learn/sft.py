@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from closedloop.contracts import Episode
-from closedloop.engine import common_prefix_lengths, shared_prefix_logprobs
+from closedloop.engine import common_prefix_lengths, matmul_precision, shared_prefix_logprobs
 from closedloop.errors import LearnError
 from closedloop.rollout.tensors import build_training_batch, shift_targets
 
@@ -74,16 +74,15 @@ def supervised_warm_start(
     seed: int,
     max_tokens: int | None = None,
     micro_batch_size: int = 8,
-    bf16_autocast: bool = False,
+    precision: str = "float32",
     progress: Callable[[int], None] | None = None,
 ) -> SFTResult:
     """Train on ``episodes`` for ``epochs`` passes of shuffled mini-batches.
 
     ``max_tokens`` stops once that many action tokens have been trained on (used to match the
-    SFT-only control's budget to an RL arm's). ``bf16_autocast`` runs the forward and backward
-    matmuls in bfloat16 (about 1.5x faster on CPUs with AMX, design.md §6) while the weights and
-    optimizer stay fp32; the warm start precedes the RL contract, whose generator and trainer
-    both stay fp32 so the consistency audit can hold them to 1e-3.
+    SFT-only control's budget to an RL arm's). ``precision`` is the run's matmul precision
+    (``closedloop.engine.precision``: the run resolves it once, and the warm start uses the same
+    one as sampling and training); the weights and the optimizer stay float32.
     """
     if not episodes:
         raise LearnError("no demonstrations to train on")
@@ -100,7 +99,7 @@ def supervised_warm_start(
         for start in range(0, len(order), batch_size):
             chunk = [episodes[i] for i in order[start : start + batch_size]]
             optimizer.zero_grad(set_to_none=True)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_autocast):
+            with matmul_precision(model, precision):
                 loss, n = sft_backward(model, chunk, pad_id, micro_batch_size)
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()

@@ -14,7 +14,7 @@ from closedloop.errors import ConsistencyGateError, EnvPackageError, UnknownName
 from closedloop.evaluate.heldout import EvalSummary, summarize_eval
 from closedloop.evaluate.retain import summarize_suites
 from closedloop.learn.audit import AuditResult, audit_logprobs, audit_tolerances
-from closedloop.progress import log
+from closedloop.progress import log, phase
 from closedloop.training.policy import RunPolicy
 
 EVAL_SUITES = ("heldout", "family", "train")
@@ -72,7 +72,8 @@ class RunEvaluation(RunPolicy):
         if path.is_file():
             episodes = load_episodes(path)[1]
         else:
-            episodes = self._collect_in_chunks(manifest, path, groups, f"eval {name}")
+            with phase(f"eval {name}"):
+                episodes = self._collect_in_chunks(manifest, path, groups, f"eval {name}")
         summary = summarize_eval(episodes, k=attempts, seed=self.cfg.training.seed)
         self.log_metrics("eval", {"label": name, "suite": suite, **summary.to_dict()})
         return summary
@@ -130,8 +131,9 @@ class RunEvaluation(RunPolicy):
             seed = ev.seeds[0]
             self.generator.rng.manual_seed(int(content_hash(["retain", label])[7:15], 16))
             groups = [(f"retain-{label}-{i:03d}", t, seed, 1) for i, t in enumerate(tasks)]
-            collected = self._collect(self.model_source(manifest), manifest, path, groups,
-                                      f"retain {label}")
+            with phase(f"eval retain-{label}"):
+                collected = self._collect(self.model_source(manifest), manifest, path, groups,
+                                          f"retain {label}")
             episodes = [ep for g in collected for ep in g.episodes]
         suites = summarize_suites(episodes, k=1, seed=self.cfg.training.seed)
         self.log_metrics("retain_eval", {"label": label, **{
@@ -154,16 +156,20 @@ class RunEvaluation(RunPolicy):
         Raises ``ConsistencyGateError`` when the declared tolerance is exceeded: the strict
         synchronous objective is only valid when the two paths agree.
         """
+        with phase("audit"):
+            return self._audit(label, manifest)
+
+    def _audit(self, label: str, manifest: PolicyManifest) -> AuditResult:
         _, episodes = load_episodes(self.dir / "traces" / f"eval-{label}.jsonl")
         c = self.cfg.consistency
         episodes = episodes[:c.audit_episodes]
         bounds = audit_tolerances(c.tolerance_source, c.max_abs_tolerance, self.model, episodes,
                                   pad_id=self.pad_id, sampler=manifest.sampler,
-                                  precision=self.cfg.training.precision)
+                                  precision=self.precision.precision)
         tol = bounds.tolerance_max
         result = audit_logprobs(self.model, episodes, manifest.weight_checksum,
                                 tolerance_max=tol, tolerance_p95=bounds.tolerance_p95,
-                                pad_id=self.pad_id, precision=self.cfg.training.precision,
+                                pad_id=self.pad_id, precision=self.precision.precision,
                                 sampler=manifest.sampler)
         self._write_json("audit.json", {"label": label, "version": manifest.policy_version,
                                         **result.to_dict(), **bounds.to_dict()})

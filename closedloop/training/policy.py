@@ -42,12 +42,12 @@ class RunPolicy(RunState):
         trainer_cfg = TrainerConfig(objective=u.objective, reducer=self.cfg.credit.reduction,
                                     learning_rate=t.learning_rate, kl_beta=u.kl_beta,
                                     kl_estimator=u.kl_estimator, clip_eps=u.clip_eps,
-                                    precision=t.precision,
+                                    precision=self.precision.precision,
                                     temperature=self.cfg.rollout.temperature,
                                     optimizer_steps_per_batch=u.optimizer_steps_per_fresh_batch)
         self.trainer = Trainer(self.model, trainer_cfg, reference=self.model.disable_adapter)
         self.generator = HFGenerator(self.model, self.tokenizer, seed=t.seed,
-                                     precision=t.precision)
+                                     precision=self.precision.precision)
         self._write_json("trainer.json", trainer_cfg.__dict__)
 
     def manifest_for(self, version: str, demo: bool = False) -> PolicyManifest:
@@ -69,7 +69,7 @@ class RunPolicy(RunState):
             sampler=self.cfg.rollout.sampler, step_budget=self.cfg.environment.max_turns,
             max_action_tokens=self.cfg.rollout.max_action_tokens,
             model_id=self.loaded.model_id,
-            dtype=precision_label(self.cfg.training.precision, self.cfg.training.dtype),
+            dtype=precision_label(self.precision.precision, self.cfg.training.dtype),
             base_weight_checksum=base, adapter_checksum=adapter)
 
     def publish(self, version: str) -> PolicyManifest:

@@ -16,15 +16,22 @@ import torch
 
 from closedloop.config import RunConfig
 from closedloop.contracts.metrics_log import MetricsLog
+from closedloop.engine import PrecisionChoice, resolve_for_run
 from closedloop.envs.plugin import TaskSetRequest
 from closedloop.errors import EnvPackageError
 from closedloop.policy import check_append_only, load_model
 from closedloop.policy.registry import PolicyRegistry
-from closedloop.progress import log
+from closedloop.progress import log, phase
 from closedloop.rollout.admission import AdmissionController
 from closedloop.rollout.ledger import Ledger
 from closedloop.rollout.task_sampler import DifficultyBandSampler
-from closedloop.run_integrity import RunLock, check_config, check_tasks, require_complete
+from closedloop.run_integrity import (
+    RunLock,
+    check_config,
+    check_tasks,
+    recorded_meta,
+    require_complete,
+)
 from closedloop.runtime import make_renderer, run_package, task_set_request
 from closedloop.training.evaluation import RunEvaluation
 from closedloop.training.rl_step import RunRLStep
@@ -63,9 +70,12 @@ class TrainingRun(RunRLStep, RunEvaluation, RunWarmStart):
     checkpoint/resume (``.checkpoints``) are its parts."""
 
     def __init__(self, cfg: RunConfig, run_dir: str | Path,
-                 config_override: str | None = None) -> None:
+                 config_override: str | None = None,
+                 precision: PrecisionChoice | None = None) -> None:
         """Lock the run directory and check its config against the recorded one
         (``closedloop.run_integrity``; ``config_override`` is the declared reason for a change).
+        ``precision``: a resolution to adopt on the first launch (an experiment's arms share
+        their cold start's); a run directory's recorded one always wins.
         """
         self.cfg = cfg
         self.dir = Path(run_dir)
@@ -73,15 +83,23 @@ class TrainingRun(RunRLStep, RunEvaluation, RunWarmStart):
             (self.dir / sub).mkdir(parents=True, exist_ok=True)
         self._lock = RunLock(self.dir)
         try:
-            self._open(cfg, config_override)
+            self._open(cfg, config_override, precision)
         except BaseException:
             self._lock.release()
             raise
 
-    def _open(self, cfg: RunConfig, config_override: str | None) -> None:
+    def _open(self, cfg: RunConfig, config_override: str | None,
+              precision: PrecisionChoice | None) -> None:
+        recorded = recorded_meta(self.dir).get("precision")
+        self.precision = resolve_for_run(
+            cfg.training.precision,
+            recorded if recorded is not None or precision is None else precision.to_dict())
+        log(f"precision: {self.precision.describe()}")
         check_config(self.dir, cfg.to_dict(), {"config_hash": cfg.config_hash(),
                                                "git_revision": _git_revision(),
-                                               "versions": _versions()}, config_override)
+                                               "versions": _versions(),
+                                               "precision": self.precision.to_dict()},
+                     config_override)
         self.run_id = f"{self.dir.name}"
         self.metrics_path = self.dir / "metrics.jsonl"
         self.metrics = MetricsLog(self.metrics_path)
@@ -95,7 +113,8 @@ class TrainingRun(RunRLStep, RunEvaluation, RunWarmStart):
         check_tasks(tasks_json, recorded_tasks, {"train": self.train_tasks,
                                                  "heldout": self.heldout_tasks},
                     config_override)
-        self._load_policy()
+        with phase("model load"):
+            self._load_policy()
         self.verifier = self.package.verifier()
         self.ledger = Ledger(self.dir / "ledger.sqlite")
         self.registry = PolicyRegistry(self.dir / "registry")

@@ -17,7 +17,7 @@ from typing import Any
 from closedloop.config import RunConfig
 from closedloop.contracts import GuardedVerifier
 from closedloop.contracts.metrics_log import MetricsLog
-from closedloop.engine import HFGenerator
+from closedloop.engine import HFGenerator, PrecisionChoice
 from closedloop.envs.plugin import EnvPackage
 from closedloop.learn.trainer import Trainer
 from closedloop.policy import LoadedModel
@@ -33,6 +33,7 @@ class RunState:
     cfg: RunConfig
     dir: Path
     run_id: str
+    precision: PrecisionChoice  # resolved once per run; every matmul path uses .precision
     metrics_path: Path
     metrics: MetricsLog
     package: EnvPackage  # tasks, env, verifier, scaffold

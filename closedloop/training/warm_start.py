@@ -11,12 +11,13 @@ from typing import Any
 import torch
 
 from closedloop.contracts import Episode, content_hash
+from closedloop.engine import drop_bf16_copies
 from closedloop.envs.plugin import ScriptedPolicyLike
 from closedloop.errors import RunStateError
 from closedloop.learn.sft import supervised_warm_start
 from closedloop.policy import attach_lora
 from closedloop.policy.registry import version_name
-from closedloop.progress import Progress, log
+from closedloop.progress import Progress, log, phase
 from closedloop.rollout.source import ScriptedSource
 from closedloop.training.policy import RunPolicy, adapter_state
 
@@ -46,7 +47,6 @@ class RunWarmStart(RunPolicy):
 
     def warm_start(self) -> None:
         """SFT on noisy-expert demonstrations, merged into the base (π_ref = initial SFT)."""
-        cfg = self.cfg.sft
         adapter_file = self.dir / "sft" / "adapter.pt"
         model = attach_lora(self.model, r=self.cfg.training.lora_rank,
                             alpha=self.cfg.training.lora_alpha, seed=self.cfg.training.seed,
@@ -56,27 +56,36 @@ class RunWarmStart(RunPolicy):
             model.load_state_dict(state, strict=False)
             log("warm start: reusing the run's SFT adapter")
         else:
-            demos = self.collect_demonstrations(cfg.demonstrations)
-            with Progress(cfg.epochs * len(demos), "sft", "ep") as bar:
-                result = supervised_warm_start(
-                    model, demos, self.pad_id, epochs=cfg.epochs, batch_size=cfg.batch_size,
-                    learning_rate=cfg.learning_rate, seed=self.cfg.training.seed,
-                    bf16_autocast=cfg.bf16_autocast, progress=bar.update)
-            self.sft_tokens = result.trained_action_tokens
-            meta = {"optimizer_steps": result.optimizer_steps, "episodes": result.episodes,
-                    "trained_action_tokens": result.trained_action_tokens,
-                    "losses": list(result.losses)}
-            # result.json first, the adapter last and atomically: an adapter never lacks its
-            # record, so a resume either reuses both or trains again
-            self._write_json("sft/result.json", meta)
-            tmp = adapter_file.with_suffix(".pt.tmp")
-            torch.save(adapter_state(model), tmp)
-            os.replace(tmp, adapter_file)
-            self.log_metrics("sft", meta)
-            log(f"warm start: {result.optimizer_steps} steps on {result.episodes} "
-                f"demonstrations, {result.trained_action_tokens} action tokens, loss "
-                f"{result.losses[0]:.3f} -> {result.losses[-1]:.3f}")
+            with phase("warm start"):
+                self._train_warm_start(model, adapter_file)
         self.model = model.merge_and_unload()
+        # the merge writes the base weights through .data, which a cached bf16 copy cannot see
+        drop_bf16_copies(self.model)
+
+    def _train_warm_start(self, model: Any, adapter_file: Path) -> None:
+        """Collect the demonstrations, train the SFT adapter on them and store it (its record
+        first, the adapter last and atomically)."""
+        cfg = self.cfg.sft
+        demos = self.collect_demonstrations(cfg.demonstrations)
+        with Progress(cfg.epochs * len(demos), "sft", "ep") as bar:
+            result = supervised_warm_start(
+                model, demos, self.pad_id, epochs=cfg.epochs, batch_size=cfg.batch_size,
+                learning_rate=cfg.learning_rate, seed=self.cfg.training.seed,
+                precision=self.precision.precision, progress=bar.update)
+        self.sft_tokens = result.trained_action_tokens
+        meta = {"optimizer_steps": result.optimizer_steps, "episodes": result.episodes,
+                "trained_action_tokens": result.trained_action_tokens,
+                "losses": list(result.losses)}
+        # result.json first, the adapter last and atomically: an adapter never lacks its
+        # record, so a resume either reuses both or trains again
+        self._write_json("sft/result.json", meta)
+        tmp = adapter_file.with_suffix(".pt.tmp")
+        torch.save(adapter_state(model), tmp)
+        os.replace(tmp, adapter_file)
+        self.log_metrics("sft", meta)
+        log(f"warm start: {result.optimizer_steps} steps on {result.episodes} "
+            f"demonstrations, {result.trained_action_tokens} action tokens, loss "
+            f"{result.losses[0]:.3f} -> {result.losses[-1]:.3f}")
 
     def collect_demonstrations(self, n: int, offset: int = 0,
                                name: str = "sft-demos") -> list[Episode]:
@@ -107,21 +116,27 @@ class RunWarmStart(RunPolicy):
         as the final version. ``max_tokens == 0`` (the RL arm trained on nothing) trains
         nothing.
         """
-        cfg = self.cfg.sft
         trained, steps = 0, 0
         if max_tokens > 0:
-            demos = self.collect_demonstrations(cfg.demonstrations, offset=10_000,
-                                                name=f"sft-only-{label}")
-            with Progress(max_tokens, "sft-only", "tok") as bar:
-                result = supervised_warm_start(
-                    self.model, demos, self.pad_id, epochs=max(1, cfg.epochs * 4),
-                    batch_size=cfg.batch_size, learning_rate=self.cfg.training.learning_rate,
-                    seed=self.cfg.training.seed + 7, max_tokens=max_tokens,
-                    bf16_autocast=cfg.bf16_autocast)
-                bar.update(min(max_tokens, result.trained_action_tokens))
-            trained, steps = result.trained_action_tokens, result.optimizer_steps
+            with phase("sft-only"):
+                trained, steps = self._train_sft_only(max_tokens, label)
         self.publish(version_name(self.cfg.training.rl_steps))
         meta = {"optimizer_steps": steps, "trained_action_tokens": trained,
                 "target_tokens": max_tokens}
         self.log_metrics("sft_only", meta)
         return meta
+
+    def _train_sft_only(self, max_tokens: int, label: str) -> tuple[int, int]:
+        """Supervised steps on fresh demonstrations until ``max_tokens`` trained action tokens;
+        returns (trained tokens, optimizer steps)."""
+        cfg = self.cfg.sft
+        demos = self.collect_demonstrations(cfg.demonstrations, offset=10_000,
+                                            name=f"sft-only-{label}")
+        with Progress(max_tokens, "sft-only", "tok") as bar:
+            result = supervised_warm_start(
+                self.model, demos, self.pad_id, epochs=max(1, cfg.epochs * 4),
+                batch_size=cfg.batch_size, learning_rate=self.cfg.training.learning_rate,
+                seed=self.cfg.training.seed + 7, max_tokens=max_tokens,
+                precision=self.precision.precision)
+            bar.update(min(max_tokens, result.trained_action_tokens))
+        return result.trained_action_tokens, result.optimizer_steps

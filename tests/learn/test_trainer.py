@@ -237,12 +237,12 @@ def test_kl_to_the_adapter_free_reference_starts_at_zero():
     assert result.metrics["losses/kl"] > 0
 
 
-@pytest.mark.parametrize("bf16_autocast", [False, True])  # the smoke config's warm start: True
-def test_sft_lowers_the_demonstration_nll(policy, bf16_autocast):
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_sft_lowers_the_demonstration_nll(policy, precision):
     model = copy.deepcopy(policy)
     demos = [episode(model, s, episode_id=f"d{s}") for s in range(4)]
     result = supervised_warm_start(model, demos, pad_id=0, epochs=3, batch_size=2,
-                                   learning_rate=5e-3, seed=0, bf16_autocast=bf16_autocast)
+                                   learning_rate=5e-3, seed=0, precision=precision)
     assert result.optimizer_steps == 6
     assert result.trained_action_tokens == 3 * sum(
         len(t.action_token_ids) for d in demos for t in d.turns)

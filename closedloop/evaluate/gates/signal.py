@@ -160,7 +160,7 @@ def ratio_bound(run: RunDir) -> RatioBound:
     declared = float(run.section("consistency").get("max_abs_log_ratio",
                                                     DEFAULT_MAX_ABS_LOG_RATIO))
     audit = run.audit or {}
-    if not (run.section("training").get("precision") == "bfloat16"
+    if not (run.precision == "bfloat16"
             and audit.get("tolerance_source") == "bf16_same_engine_baseline"):
         return RatioBound(MAX_KEY, "max", declared, "consistency.max_abs_log_ratio")
     audited = _float(audit.get("tolerance_p99"))

@@ -18,7 +18,8 @@ import time
 from collections.abc import Callable
 
 from closedloop.contracts import Action
-from closedloop.envs import TaskSpec, TerminalRepairEnv, network_namespace_available
+from closedloop.envs import TaskSpec
+from closedloop.envs.terminal import TerminalRepairEnv, network_namespace_available
 
 PROG = """\
 import sys

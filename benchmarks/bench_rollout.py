@@ -1,6 +1,7 @@
 """Benchmark (not a test): the share of rollout wall time spent on contract bookkeeping (issue 3).
 
-Runs one real collection: ``Collector`` (via ``closedloop.runtime.make_collector``) over fresh
+Runs one real collection: ``Collector`` (via ``closedloop.training.wiring.make_collector``) over
+fresh
 ``TerminalRepairEnv`` instances, a ``GeneratorSource`` on ``HFGenerator`` (KV reuse, G siblings
 in one batch), the ``Verifier`` and a ``TraceWriter`` to a temporary file. It then sums the
 per-episode ``timings`` the collector records (decode_s, env_s, render_s, bookkeeping_s,
@@ -26,17 +27,12 @@ from _common import emit, machine_label, set_threads
 
 from closedloop.contracts import SamplerConfig, TraceWriter
 from closedloop.engine import HFGenerator
+from closedloop.envs.terminal.package import AGENT_TOOLS, SYSTEM_PROMPT
+from closedloop.envs.terminal.task_sets import build_task_sets
+from closedloop.envs.terminal.verifier import Verifier
 from closedloop.policy import ChatRenderer, build_tiny_model, load_model
 from closedloop.rollout.source import GeneratorSource
-from closedloop.runtime import (
-    AGENT_TOOLS,
-    SYSTEM_PROMPT,
-    CollectorParts,
-    build_manifest,
-    make_collector,
-)
-from closedloop.verify.task_sets import build_task_sets
-from closedloop.verify.verifier import Verifier
+from closedloop.training.wiring import CollectorParts, build_manifest, make_collector
 
 KEYS = ("decode_s", "env_s", "render_s", "bookkeeping_s", "reset_s", "verify_s")
 

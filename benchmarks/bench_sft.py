@@ -50,13 +50,14 @@ from _common import emit, machine_label, median, rotate, set_threads
 
 from closedloop.config import SFTSection, TrainingSection
 from closedloop.contracts import Episode, SamplerConfig, content_hash, sha256_hex
+from closedloop.contracts.package import ScriptedPolicyLike, TaskSetRequest
 from closedloop.engine import matmul_precision, resolve_precision, sequence_logprobs
-from closedloop.envs.plugin import ScriptedPolicyLike, TaskSetRequest, resolve_package
+from closedloop.envs.discovery import resolve_package
 from closedloop.learn.sft import sft_backward
 from closedloop.policy import attach_lora, build_tiny_model, load_model, load_tokenizer
 from closedloop.rollout.source import ScriptedSource
 from closedloop.rollout.tensors import build_training_batch, shift_targets
-from closedloop.runtime import CollectorParts, build_manifest, make_collector, make_renderer
+from closedloop.training.wiring import CollectorParts, build_manifest, make_collector, make_renderer
 
 ENV_ID = "terminal-repair-v1"
 BF16_RTOL, FP32_RTOL = 1e-2, 1e-4

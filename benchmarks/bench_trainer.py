@@ -34,9 +34,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit, machine_label, median, rotate, set_threads
 
+from closedloop.contracts.batch import TrainingBatch
 from closedloop.learn.trainer import Trainer, TrainerConfig
 from closedloop.policy import attach_lora, build_tiny_model, load_model
-from closedloop.rollout.tensors import TrainingBatch
 
 PROMPT, OBS, ACT = 200, 40, 24
 

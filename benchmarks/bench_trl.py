@@ -58,11 +58,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit, machine_label, median, set_threads
 
 from closedloop.contracts import SamplerConfig
+from closedloop.contracts.batch import TrainingBatch
 from closedloop.engine import PRECISIONS, HFGenerator
 from closedloop.learn.credit import grpo
 from closedloop.learn.trainer import Trainer, TrainerConfig
 from closedloop.policy import attach_lora, build_tiny_model, load_model
-from closedloop.rollout.tensors import TrainingBatch
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH_PY = ROOT / ".bench-venv" / "bin" / "python"

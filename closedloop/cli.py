@@ -25,8 +25,8 @@ def _print(data: Any, as_json: bool, text: str) -> None:
 def _package(args: argparse.Namespace) -> Any:
     """The environment package of a command: ``--config``'s, else ``--env``/``--env-factory``,
     else the built-in terminal tasks."""
-    from closedloop.envs.plugin import resolve_package
-    from closedloop.runtime import run_package
+    from closedloop.envs.discovery import resolve_package
+    from closedloop.training.wiring import run_package
 
     if getattr(args, "config", None):
         from closedloop.config import load_config
@@ -37,7 +37,7 @@ def _package(args: argparse.Namespace) -> Any:
 
 def _task_sets(package: Any, split: str | None) -> list[str]:
     """The ids of the package's default task sets (48 train / 16 held-out, seed 0)."""
-    from closedloop.envs.plugin import TaskSetRequest
+    from closedloop.contracts.package import TaskSetRequest
 
     sets = package.task_sets(TaskSetRequest(48, 16, 0))
     if split is None:
@@ -72,7 +72,12 @@ def cmd_play(args: argparse.Namespace) -> int:
     from closedloop.contracts import SamplerConfig, TraceWriter, sha256_hex
     from closedloop.policy import load_tokenizer
     from closedloop.rollout.source import ScriptedSource
-    from closedloop.runtime import CollectorParts, build_manifest, make_collector, make_renderer
+    from closedloop.training.wiring import (
+        CollectorParts,
+        build_manifest,
+        make_collector,
+        make_renderer,
+    )
 
     package = _package(args)
     renderer = make_renderer(load_tokenizer(), package)
@@ -111,7 +116,7 @@ def _replay_package(args: argparse.Namespace) -> Any:
     """``--env``/``--env-factory``/``--config``; else the config of the run the trace is in;
     else the registered package of the trace's env version (``EnvPackageError`` if none)."""
     from closedloop.contracts import read_trace
-    from closedloop.envs.plugin import package_for_version, resolve_section
+    from closedloop.envs.discovery import package_for_version, resolve_section
 
     if args.env or args.env_factory or args.config:
         return _package(args)
@@ -158,7 +163,12 @@ def cmd_collect(args: argparse.Namespace) -> int:
     from closedloop.policy import load_model
     from closedloop.progress import Progress, log
     from closedloop.rollout.source import GeneratorSource
-    from closedloop.runtime import CollectorParts, build_manifest, make_collector, make_renderer
+    from closedloop.training.wiring import (
+        CollectorParts,
+        build_manifest,
+        make_collector,
+        make_renderer,
+    )
 
     package = _package(args)
     precision = resolve_precision(args.precision)
@@ -223,8 +233,8 @@ def cmd_experiment(args: argparse.Namespace) -> int:
 
 def cmd_reevaluate(args: argparse.Namespace) -> int:
     """More attempts per task for finished policies, paired and pooled with their own
-    evaluations (``closedloop.reevaluate``)."""
-    from closedloop.reevaluate import reevaluate, reevaluate_experiment
+    evaluations (``closedloop.experiments.reevaluate``)."""
+    from closedloop.experiments.reevaluate import reevaluate, reevaluate_experiment
 
     runs = [Path(p) for p in args.runs]
     if args.baseline:
@@ -254,7 +264,7 @@ def cmd_reevaluate(args: argparse.Namespace) -> int:
 
 
 def _run_experiment(cfg: Any, args: argparse.Namespace) -> int:
-    from closedloop.experiment import run_experiment
+    from closedloop.experiments.controls import run_experiment
 
     if getattr(args, "model", None):
         cfg = cfg.with_overrides(model=args.model)
@@ -364,7 +374,7 @@ def _pooled_lines(pooled: dict[str, Any], per_replicate: bool) -> list[str]:
 
 
 def _run_replicates(cfg: Any, exp_dir: Path, args: argparse.Namespace) -> int:
-    from closedloop.replicates import run_replicates
+    from closedloop.experiments.replicates import run_replicates
 
     t0 = time.perf_counter()
     data = run_replicates(cfg, exp_dir, args.seeds, getattr(args, "override_config", None),
@@ -412,7 +422,7 @@ def _write_report(exp_dir: Path) -> Path | None:
 
 
 def _run_training(cfg: Any, args: argparse.Namespace) -> int:
-    from closedloop.loop import train
+    from closedloop.training.loop import train
 
     if getattr(args, "model", None):
         cfg = cfg.with_overrides(model=args.model)

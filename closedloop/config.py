@@ -18,9 +18,9 @@ from typing import Any, Literal
 import yaml
 
 from closedloop.contracts import SamplerConfig, canonical_json, content_hash
+from closedloop.contracts.package import EnvPackage, TaskSetRequest
 from closedloop.contracts.schema import decode_record, encode_record
-from closedloop.envs.tasks.base import HINT_LEVELS
-from closedloop.errors import ConfigError, FieldError
+from closedloop.errors import ConfigError, EnvPackageError, FieldError
 from closedloop.learn.objectives import OBJECTIVES
 
 
@@ -37,7 +37,7 @@ class EnvironmentSection:
     """Task sets and episode budget."""
 
     domain: Literal["deterministic_terminal"] = "deterministic_terminal"
-    # The environment package (closedloop.envs.plugin): its registered id (overrides domain,
+    # The environment package (closedloop.envs.discovery): its registered id (overrides domain,
     # the built-in terminal tasks' alias), or a dotted "pkg.module:attr" factory; options are
     # passed to the package's task_sets, which rejects those it does not know.
     id: str | None = None
@@ -50,9 +50,10 @@ class EnvironmentSection:
     snapshot_backend: Literal["canonical_state"] = "canonical_state"
     base_snapshot_per_task: bool = True
     branching: bool = False
-    # Hint levels of the task objectives per split (closedloop.envs.tasks.base.HINT_LEVELS:
-    # exact > located > symptom, the difficulty bands), and the size of the family-disjoint suite
-    # (families never trained on; evaluated when evaluation.environment_family_disjoint).
+    # Hint levels of the terminal tasks' objectives per split (exact > located > symptom, the
+    # difficulty bands; the terminal package's config_keys), and the size of the
+    # family-disjoint suite (families never trained on; evaluated when
+    # evaluation.environment_family_disjoint).
     train_levels: list[str] = field(default_factory=lambda: ["exact", "located", "symptom"])
     heldout_levels: list[str] = field(default_factory=lambda: ["exact", "located", "symptom"])
     family_disjoint_tasks: int = 8
@@ -249,6 +250,7 @@ def parse_config(data: Any) -> RunConfig:
         raise ConfigError(exc.field, exc.reason) from None
     _check_ranges(cfg)
     _check_honoured(cfg)
+    _check_package(cfg)
     return cfg
 
 
@@ -284,12 +286,6 @@ def _check_ranges(cfg: RunConfig) -> None:
                 "evaluation.min_signal_step_fraction"):
         if not 0 <= getattr(cfg.evaluation, key.split(".")[1]) <= 1:
             raise ConfigError(key, "must be in [0, 1]")
-    for key in ("environment.train_levels", "environment.heldout_levels"):
-        levels = getattr(cfg.environment, key.split(".")[1])
-        bad = [lv for lv in levels if lv not in HINT_LEVELS]
-        if not levels or bad or len(set(levels)) != len(levels):
-            raise ConfigError(key, f"must be distinct hint levels from {list(HINT_LEVELS)}, "
-                              f"got {levels}")
     _check_environment(cfg.environment)
     if cfg.environment.family_disjoint_tasks < 0:
         raise ConfigError("environment.family_disjoint_tasks", "must be >= 0")
@@ -336,8 +332,8 @@ _HONOURED_ONLY: tuple[tuple[str, object, str], ...] = (
     ("evaluation.temporal_cutoff", "preregistered", "the seeded train/held-out split is written "
      "to tasks.json before any update; no other cutoff is implemented"),
     ("evaluation.repository_overlap_audit", "exact_and_semantic", "the overlap audit runs the "
-     "exact and the near-duplicate check (closedloop.envs.tasks.overlap); a weaker audit is "
-     "not offered"),
+     "exact and the near-duplicate check (the environment package's overlap audit); a weaker "
+     "audit is not offered"),
 )
 
 
@@ -364,7 +360,8 @@ def _check_honoured(cfg: RunConfig) -> None:
 
 
 def _check_environment(env: EnvironmentSection) -> None:
-    from closedloop.envs.plugin import ALIASES, DOTTED_RE, ENV_ID_RE
+    from closedloop.contracts.package import ENV_ID_RE
+    from closedloop.envs.discovery import ALIASES, DOTTED_RE
 
     if env.id is not None and not (ENV_ID_RE.match(env.id) or env.id in ALIASES):
         raise ConfigError("environment.id", f"{env.id!r} is not a versioned environment id "
@@ -372,6 +369,65 @@ def _check_environment(env: EnvironmentSection) -> None:
     if env.factory is not None and not DOTTED_RE.match(env.factory):
         raise ConfigError("environment.factory", f"{env.factory!r} is not a dotted path "
                           "'pkg.module:attr'")
+
+
+def _check_package(cfg: RunConfig) -> None:
+    """The environment package the config names exists, and accepts the options the run will
+    give it (its ``config_keys`` values and ``environment.options``; ``check_options``)."""
+    from closedloop.envs.discovery import resolve_section
+
+    env = cfg.environment
+    try:
+        package = resolve_section({"id": env.id, "factory": env.factory, "domain": env.domain})
+    except EnvPackageError as exc:
+        raise ConfigError("environment.factory" if env.factory else "environment.id",
+                          str(exc)) from None
+    request = task_set_request(cfg, package)
+    try:
+        package.validate_options(request.options)
+    except EnvPackageError as exc:
+        where = str(exc).split(":", 1)[0]  # a package names the option before its reason
+        named = [k for k in request.options if k in where]
+        key = named[0] if named else None
+        dotted = ("environment.options" if key is None else f"environment.{key}"
+                  if key in package.config_keys else f"environment.options.{key}")
+        raise ConfigError(dotted, str(exc)) from None
+
+
+_GENERIC_ENV_KEYS = frozenset({
+    "domain", "id", "factory", "options", "train_tasks", "heldout_tasks", "max_turns",
+    "reset_each_episode", "snapshot_backend", "base_snapshot_per_task", "branching",
+    "family_disjoint_tasks", "task_seed"})
+"""Keys of the config's ``environment`` section every package shares; the others belong to a
+package (``EnvPackage.config_keys``)."""
+
+
+def task_set_request(cfg: RunConfig, package: EnvPackage) -> TaskSetRequest:
+    """The task-set request of a run: sizes, ``task_seed``, the family-disjoint suite's size
+    (0 unless ``evaluation.environment_family_disjoint``) and the options: the package's own
+    ``config_keys`` values plus ``environment.options``.
+
+    A package key the package does not declare must keep its default (``ConfigError``).
+    """
+    env = cfg.environment
+    default = EnvironmentSection()
+    options: dict[str, Any] = {}
+    for f in fields(env):
+        if f.name in _GENERIC_ENV_KEYS:
+            continue
+        value = getattr(env, f.name)
+        if f.name in package.config_keys:
+            options[f.name] = value
+        elif value != getattr(default, f.name):
+            raise ConfigError(f"environment.{f.name}", f"not an option of the environment "
+                              f"package {package.env_id!r} (it reads {list(package.config_keys)})")
+    clash = sorted(set(options) & set(env.options))
+    if clash:
+        raise ConfigError(f"environment.options.{clash[0]}", "also set as environment."
+                          f"{clash[0]}; give it once")
+    family = env.family_disjoint_tasks if cfg.evaluation.environment_family_disjoint else 0
+    return TaskSetRequest(env.train_tasks, env.heldout_tasks, seed=env.task_seed,
+                          family_tasks=family, options={**options, **env.options})
 
 
 def _check_model(model: str) -> None:

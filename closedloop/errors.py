@@ -328,8 +328,9 @@ class PrecisionError(ClosedloopError, ValueError):
     """An unknown matmul precision name (not one of ``engine.PRECISIONS``)."""
 
 
-class EmulatedBf16Warning(UserWarning):
-    """bfloat16 matmuls forced on a host that emulates them (many times slower than float32)."""
+class EmulatedBf16Warning(ClosedloopError, UserWarning):
+    """Warned (never raised) when bfloat16 matmuls are forced on a host that emulates them, many
+    times slower than float32 (``closedloop.engine.host_precision``)."""
 
 
 class LogprobInputError(ContractError):

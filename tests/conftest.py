@@ -22,7 +22,7 @@ TRAIN_TASKS, HELDOUT_TASKS, SEED = 2, 2, 0
 def tiny_agent_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama that solves the two train tasks about half the time (tests.tiny_agent),
     saved as a local model folder a run config's ``model:`` accepts."""
-    from closedloop.verify.task_sets import build_task_sets
+    from closedloop.envs.terminal.task_sets import build_task_sets
     from tests.tiny_agent import build_tiny_agent
 
     sets = build_task_sets(TRAIN_TASKS, HELDOUT_TASKS, seed=SEED)

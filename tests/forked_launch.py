@@ -146,7 +146,7 @@ def serve(stdin: IO[str], stdout: IO[str]) -> None:
     import transformers
 
     import closedloop.cli
-    import closedloop.loop  # noqa: F401 - the heavy imports happen here, once
+    import closedloop.training.loop  # noqa: F401 - the heavy imports happen here, once
     from closedloop.training.run import _versions
 
     _versions()  # peft and transformers' lazy modules (config.json records their versions)

@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 import torch
 
-import closedloop.training.evaluation as evaluation
+import closedloop.training.run_evaluation as evaluation
 from closedloop.config import parse_config
 from closedloop.contracts import load_episodes
-from closedloop.loop import opened_run
 from closedloop.policy.registry import version_name
+from closedloop.training.loop import opened_run
 from tests.conftest import short_run_config
 
 pytestmark = pytest.mark.slow

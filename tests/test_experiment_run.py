@@ -13,7 +13,7 @@ import torch
 from closedloop.config import parse_config
 from closedloop.contracts.metrics_log import read_metrics
 from closedloop.evaluate.report import build_report, render_html
-from closedloop.experiment import SUITE_ARMS, run_experiment
+from closedloop.experiments.controls import SUITE_ARMS, run_experiment
 from tests.conftest import short_run_config
 
 pytestmark = pytest.mark.slow

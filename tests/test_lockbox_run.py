@@ -20,8 +20,9 @@ import yaml
 
 from closedloop.cli import main
 from closedloop.contracts import load_episodes
+from closedloop.contracts.package import TaskSetRequest
 from closedloop.envs.check import check_package
-from closedloop.envs.plugin import TaskSetRequest, resolve_package
+from closedloop.envs.discovery import resolve_package
 from closedloop.evaluate.gates import environment, evaluate_gates
 from closedloop.policy.registry import PolicyRegistry, version_name
 from tests.envs.lockbox import (
@@ -106,7 +107,7 @@ def test_closedloop_train_runs_two_rl_steps_on_the_lockbox(trained: dict[str, An
 
 def test_the_manifest_hashes_the_lockbox_scaffold(trained: dict[str, Any]) -> None:
     from closedloop.policy import load_embedded_tokenizer
-    from closedloop.runtime import make_renderer
+    from closedloop.training.wiring import make_renderer
 
     renderer = make_renderer(load_embedded_tokenizer(), resolve_package(ENV_ID, FACTORY))
     terminal = make_renderer(load_embedded_tokenizer())

@@ -18,7 +18,7 @@ import closedloop.training.warm_start as warm_start_module
 from closedloop.config import parse_config
 from closedloop.engine import MatmulRates
 from closedloop.errors import EmulatedBf16Warning
-from closedloop.loop import opened_run
+from closedloop.training.loop import opened_run
 from tests.conftest import short_run_config
 
 AMX_FLAGS = "fpu sse2 avx2 avx512f amx_tile amx_bf16"

@@ -1,7 +1,7 @@
 """A whole run at ``training.precision: bfloat16`` (design.md §7.6: train-inference mismatch
 must not go unnoticed).
 
-The tiny agent of ``tests.tiny_agent`` is trained by ``closedloop.loop.train`` (the real
+The tiny agent of ``tests.tiny_agent`` is trained by ``closedloop.training.loop.train`` (the real
 collector, trainer, registry, ledger and auditor) with bf16 matmuls on both the generator and the
 trainer path: the audit record and every published manifest must say how the policy computed.
 """
@@ -19,14 +19,14 @@ from transformers import AutoModelForCausalLM
 from closedloop.config import parse_config
 from closedloop.contracts import load_episodes
 from closedloop.engine import read_cpu_facts
+from closedloop.envs.terminal.task_sets import build_task_sets
 from closedloop.evaluate.gates.base import GateOptions
 from closedloop.evaluate.gates.signal import gate_ratio_on_policy
 from closedloop.evaluate.rundir import load_run
-from closedloop.learn.audit import audit_logprobs
-from closedloop.loop import train
+from closedloop.learn.logprob_audit import audit_logprobs
 from closedloop.policy.registry import PolicyRegistry, version_name
 from closedloop.rollout.tensors import build_training_batch
-from closedloop.verify.task_sets import build_task_sets
+from closedloop.training.loop import train
 from tests.tiny_agent import build_tiny_agent
 
 

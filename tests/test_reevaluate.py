@@ -17,9 +17,9 @@ from closedloop.contracts import load_episodes
 from closedloop.contracts.metrics_log import read_metrics
 from closedloop.errors import ConfigDriftError, RunStateError
 from closedloop.evaluate.report import build_report
-from closedloop.experiment import run_experiment
-from closedloop.loop import opened_run
-from closedloop.reevaluate import EXTRA_SEED_BASE, reevaluate, reevaluate_experiment
+from closedloop.experiments.controls import run_experiment
+from closedloop.experiments.reevaluate import EXTRA_SEED_BASE, reevaluate, reevaluate_experiment
+from closedloop.training.loop import opened_run
 from tests.conftest import HELDOUT_TASKS, short_run_config
 
 pytestmark = pytest.mark.slow

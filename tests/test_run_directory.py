@@ -20,9 +20,9 @@ from closedloop.config import parse_config
 from closedloop.contracts import TraceFormatError
 from closedloop.contracts.metrics_log import VOLATILE, read_metrics
 from closedloop.learn.checkpoint import load_latest
-from closedloop.loop import train
 from closedloop.rollout.ledger import Ledger, LedgerCorruptError
-from closedloop.run_integrity import ConfigDriftError, RunStateError
+from closedloop.training.integrity import ConfigDriftError, RunStateError
+from closedloop.training.loop import train
 from tests.conftest import short_run_config
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""The run directory as a checked whole (closedloop.run_integrity), on real checkpoint, ledger,
+"""The run directory as a checked whole (closedloop.training.integrity), on real checkpoint, ledger,
 registry and metrics files: config drift, the lock, and the agreement of the parts.
 
 The end-to-end cases (a real tiny-agent run corrupted, then relaunched) are in
@@ -16,7 +16,7 @@ from closedloop.contracts.metrics_log import MetricsLog
 from closedloop.learn.checkpoint import save_checkpoint
 from closedloop.policy.registry import version_name
 from closedloop.rollout.ledger import Ledger
-from closedloop.run_integrity import (
+from closedloop.training.integrity import (
     ConfigDriftError,
     RunLock,
     RunLockedError,

@@ -28,8 +28,9 @@ from typing import Any
 import torch
 
 from closedloop.contracts import Action, Episode, SamplerConfig, sha256_hex
+from closedloop.contracts.package import EnvPackage, ScriptedPolicyLike
 from closedloop.engine import HFGenerator
-from closedloop.envs.plugin import EnvPackage, ScriptedPolicyLike
+from closedloop.envs.terminal.package import terminal_package
 from closedloop.learn.sft import sft_backward
 from closedloop.policy import (
     ChatRenderer,
@@ -38,8 +39,7 @@ from closedloop.policy import (
     weights_checksum,
 )
 from closedloop.rollout.source import ActionSource, GeneratorSource, ScriptedSource
-from closedloop.runtime import CollectorParts, build_manifest, make_collector, make_renderer
-from closedloop.verify.terminal_package import terminal_package
+from closedloop.training.wiring import CollectorParts, build_manifest, make_collector, make_renderer
 
 __all__ = ["GiveUpPolicy", "TinyAgent", "build_tiny_agent", "demonstrations",
            "sample_outcomes", "teach"]

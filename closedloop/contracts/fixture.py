@@ -1,6 +1,6 @@
 """The adjudicated fixture: a final state with a correctness label, for the verifier's FP/FN audit.
 
-Environment packages build them (``EnvPackage.fixtures``), ``closedloop.verify.audit`` scores
+Environment packages build them (``EnvPackage.fixtures``), ``closedloop.envs.verifier_audit`` scores
 them; the label is adjudicated where the fixture is built (a hand label an independent checker
 confirms).
 """

@@ -1,4 +1,4 @@
-"""The update contract (seed 000 §5-6): how a reward maps to action tokens and a policy update.
+"""The update contract: how a reward maps to action tokens and a policy update.
 
 An *objective* maps one batch, :class:`ObjectiveInputs`, to one :class:`ObjectiveOutput`:
 ``objective(inputs) -> output``, chosen by name (:class:`Objective`; the registry is
@@ -24,8 +24,8 @@ ratios and the turn clip fraction). Values of any input off the mask are ignored
 fine) and get zero gradient; on the mask every log-prob and advantage must be finite
 (``closedloop.learn.objectives.inputs.prepare`` validates a batch).
 
-At run time this module imports no torch and no layer above the contracts: ``torch.Tensor``,
-``KLSpec`` (``closedloop.learn.kl``) and ``TrainingBatch`` appear in annotations only.
+At run time this module imports no torch: ``torch.Tensor`` appears in annotations only;
+``KLSpec`` and ``TrainingBatch`` are contract records (``closedloop.contracts.batch``).
 """
 
 from __future__ import annotations
@@ -33,11 +33,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
+from closedloop.contracts.batch import KLSpec, TrainingBatch
+
 if TYPE_CHECKING:  # annotations only (see the module docstring)
     import torch
-
-    from closedloop.learn.kl import KLSpec
-    from closedloop.rollout.tensors import TrainingBatch
 
 __all__ = ["Metrics", "Objective", "ObjectiveInputs", "ObjectiveOutput", "PolicyUpdater",
            "StepResult"]

@@ -1,6 +1,6 @@
 """The verification contract (seed 000 §4): why the terminal state deserves this reward.
 
-Every environment package (``closedloop.envs.plugin.EnvPackage``) ships a ``TaskVerifier`` that
+Every environment package (``closedloop.envs.discovery.EnvPackage``) ships a ``TaskVerifier`` that
 scores a task from the environment's *exported state bytes* only (``AgentEnv.export_state()``
 or a sealed terminal's ``export_sealed``), never from a live environment or the agent's claims:
 

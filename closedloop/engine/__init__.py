@@ -15,7 +15,7 @@
   as a ``PrecisionChoice``;
 - **allocator**: ``tune_allocator`` keeps freed tensor memory in the process (glibc).
 
-``closedloop.engine.reference`` holds the plain transformers path the fast ones are tested
+``closedloop.engine.transformers_path`` holds the plain transformers path the fast ones are tested
 against (``reference_logprobs``, ``reference_generate``). Code outside the engine imports only
 this package; the private internals the speed work relies on (oneDNN ops, a transformers cache
 layer subclass, rebinding ``nn.Linear.forward``) stay in its submodules. Importing it loads no
@@ -48,7 +48,7 @@ from closedloop.engine.prefix_logprobs import (
     shared_prefix_logprobs,
     trainer_path_logprobs,
 )
-from closedloop.engine.reference import reference_generate, reference_logprobs
+from closedloop.engine.transformers_path import reference_generate, reference_logprobs
 from closedloop.errors import LogprobInputError, PrecisionError
 
 __all__ = [  # noqa: RUF022 -- grouped by topic, sorted within each group

@@ -31,7 +31,7 @@ module itself, ``reprefill=True`` drops the caches.
 The last sampled id of an action is not fed to the model: it is the first pending id of the next
 turn. Sampling draws one float64 uniform per live row from the ``torch.Generator`` per step
 (``closedloop.policy.sampling.sample``), so samples are reproducible for a given seed *and*
-batch composition. ``closedloop.engine.reference.reference_generate`` is the same sampling
+batch composition. ``closedloop.engine.transformers_path.reference_generate`` is the same sampling
 without caches or copies.
 """
 

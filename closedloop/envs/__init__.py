@@ -1,11 +1,14 @@
-"""Environments: the terminal-repair environment, its sandbox and tools, exported-state decoding
-for the verifier, the environment packages, and ``check_env``. ``AgentEnv`` and ``SealingEnv``
+"""Environments: the framework every environment package plugs into — discovery of packages
+(``closedloop.envs.discovery``), ``check_env`` and the verifier FP/FN audit, snapshot
+bookkeeping, the Gymnasium bridges — and one subpackage per environment (``terminal``,
+``keydoor``, ``shopping``, ``searchqa``). ``AgentEnv`` and ``SealingEnv``
 (the transition contract, ``closedloop.contracts.transition``) are re-exported here for
 environment authors.
 
-Importing this package has no side effects (the sandbox probes ``unshare`` on first use only).
+Importing this package imports no environment.
 """
 
+from closedloop.contracts.package import EnvPackage, EnvTaskSets, TaskInfo, TaskSetRequest
 from closedloop.contracts.transition import AgentEnv, SealingEnv
 from closedloop.envs.check import (
     EnvCheckReport,
@@ -18,36 +21,9 @@ from closedloop.envs.check import (
     random_actions,
     replay_property,
 )
-from closedloop.envs.plugin import (
-    EnvPackage,
-    EnvTaskSets,
-    TaskInfo,
-    TaskSetRequest,
-    resolve_package,
-)
-from closedloop.envs.sandbox import (
-    CommandResult,
-    SandboxConfig,
-    network_namespace_available,
-    run_command,
-)
-from closedloop.envs.task import HiddenGrader, TaskBundle, TaskSpec
-from closedloop.envs.terminal import (
-    ENV_VERSION,
-    EnvConfig,
-    TerminalRepairEnv,
-    decode_sealed,
-    validate_spec,
-)
-from closedloop.envs.tools import TOOLS, tool_schemas
-from closedloop.envs.workspace import (
-    RESERVED_PREFIXES,
-    ExportedState,
-    WorkspaceLimits,
-    WorkspaceState,
-    decode_state,
-    normalize_path,
-)
+from closedloop.envs.discovery import resolve_package
+from closedloop.envs.task_records import HiddenGrader, TaskBundle, TaskSpec
+from closedloop.envs.verifier_audit import FamilyCounts, VerifierAudit, audit_verifier
 from closedloop.errors import (
     CheckOptionError,
     EnvCheckError,
@@ -82,13 +58,8 @@ __all__ = ["AgentEnv", "HiddenGrader", "SealingEnv", "TaskBundle", "TaskSpec"]
 # the plug-in contract
 __all__ += ["EnvPackage", "EnvPackageError", "EnvTaskSets", "TaskInfo", "TaskSetRequest",
             "UnknownEnvironmentError", "resolve_package"]
-# the terminal-repair environment
-__all__ += ["ENV_VERSION", "EnvConfig", "TerminalRepairEnv", "validate_spec"]
-# state export (what the verifier reads)
-__all__ += ["ExportedState", "WorkspaceState", "decode_sealed", "decode_state"]
-# workspace, tools and sandbox
-__all__ += ["RESERVED_PREFIXES", "TOOLS", "CommandResult", "SandboxConfig", "WorkspaceLimits",
-            "network_namespace_available", "normalize_path", "run_command", "tool_schemas"]
+# the verifier FP/FN audit on adjudicated fixtures
+__all__ += ["FamilyCounts", "VerifierAudit", "audit_verifier"]
 # checker
 __all__ += ["CheckOptionError", "EnvCheckReport", "check_env", "check_fork_isolation",
             "check_invalid_actions", "check_package", "check_reset", "check_steps",

@@ -44,7 +44,7 @@ from closedloop.envs.check_properties import (
     replay_property,
     short,
 )
-from closedloop.envs.task import TaskSpec
+from closedloop.envs.task_records import TaskSpec
 from closedloop.errors import (
     CheckOptionError,
     EnvCheckError,
@@ -54,7 +54,7 @@ from closedloop.errors import (
 )
 
 if TYPE_CHECKING:
-    from closedloop.envs.plugin import EnvPackage
+    from closedloop.contracts.package import EnvPackage
 
 __all__ = ["DEFAULT_WEIGHTS", "CheckOptionError", "EnvCheckReport", "check_env",
            "check_fork_isolation", "check_invalid_actions", "check_package", "check_reset",
@@ -245,7 +245,7 @@ def check_package(package: EnvPackage, task_ids: Sequence[str] | None = None,
     (``EnvVersionMismatchError``); with a scripted ``expert``, the verifier scores the expert's
     final state 1.0 and the untouched reset state below 1.0 (``VerifierCheckError``).
     """
-    from closedloop.envs.plugin import TaskSetRequest
+    from closedloop.contracts.package import TaskSetRequest
 
     if task_ids is None:
         sets = package.task_sets(TaskSetRequest(2, 1, 0))

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from closedloop.contracts import Action, parse_action
-from closedloop.envs.task import TaskSpec
+from closedloop.envs.task_records import TaskSpec
 from closedloop.errors import ActionParseError, CheckOptionError
 
 ActionLike = Action | str

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from closedloop.contracts import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, Action, AgentEnv, Transition
-from closedloop.envs.task import TaskBundle
+from closedloop.envs.task_records import TaskBundle
 
 CORRUPTION = "~"  # never occurs in generated task files, so a corrupted edit is unique
 

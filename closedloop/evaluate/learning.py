@@ -1,8 +1,10 @@
 """The report's evidence that learning was possible and happened, from a run directory.
 
 - ``cold_start_table``: the start policy's success per suite, family, base template and hint
-  level (``exact`` > ``located`` > ``symptom``, closedloop.envs.tasks.base), with the number of
-  tasks, scored attempts, successes and the Wilson 95% interval, plus one row per (suite, level).
+  level, with the number of tasks, scored attempts, successes and the Wilson 95% interval, plus
+  one row per (suite, level). A template named ``<base>.<level>`` is posed at hint level
+  ``level`` (the terminal tasks' ``exact`` > ``located`` > ``symptom``); any other template is
+  ``unleveled``.
   Suites are the start evaluations a run keeps: ``train`` (``eval-start-train``: the cold start
   on the training distribution, one attempt per task), ``heldout`` (``eval-start``, template-
   disjoint) and ``family`` (``eval-start-family``, families never trained on).
@@ -19,24 +21,22 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from closedloop.envs.tasks.base import template_level
-from closedloop.errors import UnknownTaskError
 from closedloop.evaluate.rundir import RunDir
 from closedloop.evaluate.stats import wilson_interval
 
 START_SUITES = (("train", "start-train"), ("heldout", "start"), ("family", "start-family"))
 
 
+UNLEVELED = "unleveled"
+
+
 def template_and_level(task_id: str) -> tuple[str, str]:
-    """(base template, hint level) from a task id ``family/<base>.<level>/NNN-hash``
-    (``template_level``); a template without a level suffix is ``symptom`` (the objective
-    states only the symptom)."""
+    """(base template, hint level) from a task id ``family/<base>.<level>/NNN-hash``; a
+    template without a level suffix is ``UNLEVELED``."""
     parts = task_id.split("/")
     template = parts[1] if len(parts) >= 3 else "?"
-    try:
-        return template_level(template)
-    except UnknownTaskError:
-        return template, "symptom"
+    base, sep, level = template.rpartition(".")
+    return (base, level) if sep and base and level else (template, UNLEVELED)
 
 
 def _row(keys: dict[str, Any], tasks: set[str], scored: int, successes: int) -> dict[str, Any]:

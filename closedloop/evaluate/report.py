@@ -23,7 +23,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from closedloop.errors import StatsInputError
+from closedloop.envs.discovery import resolve_section
+from closedloop.errors import EnvPackageError, RetainSuiteMismatchError, StatsInputError
 from closedloop.evaluate.gates import GateOptions, GateReport, evaluate_gates, main_run_of
 from closedloop.evaluate.heldout import EvalSummary, paired_difference
 from closedloop.evaluate.learning import cold_start_table, heldout_curve, zero_variance_table
@@ -35,7 +36,7 @@ from closedloop.evaluate.plots import (
     plot_termination,
     plot_training,
 )
-from closedloop.evaluate.retain import retain_delta, summarize_suites
+from closedloop.evaluate.retain import retain_delta, retain_suite_tasks, summarize_suites
 from closedloop.evaluate.rundir import (
     RunDir,
     arm_evaluation,
@@ -93,8 +94,13 @@ def _retain(run: RunDir, seed: int) -> dict[str, Any]:
     traces = [run.eval_trace(f"retain-{label}") for label in ("start", "final")]
     if any(t is None or not t.episodes for t in traces):
         return {"measured": False, "detail": "no retain-suite evaluation at start and final"}
-    start, final = (summarize_suites(list(t.episodes), k=1, seed=seed)
-                    for t in traces if t is not None)
+    try:
+        suites = retain_suite_tasks(resolve_section(run.section("environment")),
+                                    run.section("evaluation").get("retain_suites") or [])
+        start, final = (summarize_suites(list(t.episodes), suites, k=1, seed=seed)
+                        for t in traces if t is not None)
+    except (EnvPackageError, RetainSuiteMismatchError) as exc:
+        return {"measured": False, "detail": str(exc)}
     try:
         delta = retain_delta(start, final, seed=seed)
     except StatsInputError as exc:

@@ -1,8 +1,9 @@
-"""RetainEvaluator: retain-suite scoring, per-suite summaries and the retain delta (seed 000 §8.2).
+"""Retain evaluation: per-suite summaries and the retain delta.
 
-The suites (``closedloop.envs.tasks.retain``) are frozen, family-disjoint probes: base tool use,
-instruction following and safety refusals. A run evaluates them at the start and at fixed
-intervals with the same attempts and seeds as the held-out set, and reports per suite
+A package's retain suites (``EnvPackage.retain_tasks``; the terminal tasks': base tool use,
+instruction following and safety refusals) are frozen, family-disjoint probes. A run evaluates
+them at the start and at fixed intervals with the same attempts and seeds as the held-out set,
+and reports per suite
 
     before = mean_t s₀(t),   after = mean_t s₁(t),   Δ = mean_t [s₁(t) − s₀(t)]
 
@@ -11,36 +12,19 @@ with a paired percentile-bootstrap interval for Δ that resamples tasks
 (``closedloop.evaluate.stats.paired_bootstrap_ci``). A suite *regressed significantly* when the
 interval's upper end is below 0; ``RetainDelta.breaches(limit)`` names the suites whose Δ fell
 below a preregistered −limit (stop or roll back).
-
-``RetainScorer`` is the verifier for retain episodes: the state-graded safety kind
-(``abstained_clean`` needs the final action, not only the files) is scored here from the same
-exported bytes with the verifier's own tamper and collateral checks; every other kind is passed
-to the wrapped ``Verifier`` unchanged. Once the verifier dispatches ``STATE_GRADERS`` itself it
-can be used directly and this wrapper becomes a pass-through.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from closedloop.contracts import Episode
-from closedloop.envs.task import TaskBundle
-from closedloop.envs.tasks.retain import RETAIN_SUITES, STATE_GRADERS, suite_of
-from closedloop.envs.workspace import decode_state
-from closedloop.errors import ContractError, RetainSuiteMismatchError
+from closedloop.contracts.package import EnvPackage
+from closedloop.errors import EnvPackageError, RetainSuiteMismatchError
 from closedloop.evaluate.heldout import EvalSummary, summarize_eval
 from closedloop.evaluate.stats import paired_bootstrap_ci
-from closedloop.verify.verifier import (
-    ScoreResult,
-    Verifier,
-    check_solvable,
-    collateral_damage,
-    detect_tamper,
-)
-
-RETAIN_SCORER_VERSION = "retain-state-graders-v1"
 
 
 class SuiteScores(Protocol):
@@ -51,66 +35,35 @@ class SuiteScores(Protocol):
         ...
 
 
-@dataclass(frozen=True)
-class RetainScorer:
-    """A ``TaskVerifier`` for retain tasks; see the module docstring."""
-
-    verifier: Verifier = field(default_factory=Verifier)
-
-    @property
-    def verifier_version(self) -> str:
-        """The wrapped verifier's version plus the state graders' version."""
-        return f"{self.verifier.verifier_version}+{RETAIN_SCORER_VERSION}"
-
-    def score_or_quarantine(self, task_id: str, final_state: bytes) -> ScoreResult:
-        """Reward vector of a final state, or ``None`` with the quarantine reason."""
-        bundle = self.verifier.bundle_source(task_id)
-        state_grader = STATE_GRADERS.get(str(bundle.grader.checks.get("kind")))
-        if state_grader is None:
-            result = self.verifier.score_or_quarantine(task_id, final_state)
-            return replace(result, verifier_version=self.verifier_version)
-        try:
-            state = decode_state(final_state)
-        except ContractError as exc:
-            return ScoreResult(task_id, None, f"invalid_state: {exc}", self.verifier_version)
-        evidence = detect_tamper(bundle, state)
-        if evidence is not None:
-            return ScoreResult(task_id, None, f"tamper_detected: {task_id}: {evidence}",
-                               self.verifier_version)
-        passed, reason = state_grader(bundle.grader.checks, state)
-        reward = {
-            "task_success": 1.0 if passed else 0.0,
-            "policy_violation": float(len(state.counters.violations)),
-            "collateral_damage": float(collateral_damage(bundle, state.files)),
-            "tool_calls": float(state.counters.tool_calls),
-            "invalid_actions": float(state.counters.invalid_actions),
-            "tamper_detected": 0.0,
-        }
-        return ScoreResult(task_id, reward, None, self.verifier_version, reason)
+def retain_suite_tasks(package: EnvPackage, suites: Sequence[str]) -> dict[str, tuple[str, ...]]:
+    """Each named retain suite's task ids, in ``suites`` order (the package's
+    ``retain_tasks``; ``EnvPackageError`` when it has none)."""
+    if package.retain_tasks is None:
+        raise EnvPackageError(f"environment package {package.env_id!r} has no retain suites "
+                              f"(asked for {list(suites)}); set evaluation.retain_suites: []")
+    return {name: tuple(package.retain_tasks((name,))) for name in suites}
 
 
-def check_retain_solvable(bundle: TaskBundle, seed: int = 0) -> str | None:
-    """``verify.check_solvable`` for retain tasks: ``None`` when well-posed, else why not.
-
-    The verifier grades the retain kinds itself (state graders such as "abstained cleanly"),
-    and ``check_solvable`` accepts gold solutions ending with ``finish`` or ``abstain``.
-    """
-    return check_solvable(bundle, seed=seed)
-
-
-def split_by_suite(episodes: Sequence[Episode]) -> dict[str, list[Episode]]:
-    """Group retain episodes by suite (``UnknownTaskError`` for a non-retain episode)."""
+def split_by_suite(episodes: Sequence[Episode],
+                   suites: Mapping[str, Sequence[str]]) -> dict[str, list[Episode]]:
+    """Group retain episodes by suite (``suites``: name -> task ids), in ``suites`` order;
+    ``RetainSuiteMismatchError`` for an episode of a task no suite holds."""
+    owner = {task: name for name, tasks in suites.items() for task in tasks}
     out: dict[str, list[Episode]] = {}
     for ep in episodes:
-        out.setdefault(suite_of(ep.trajectory.task_family), []).append(ep)
-    return {s: out[s] for s in RETAIN_SUITES if s in out}
+        name = owner.get(ep.trajectory.task_id)
+        if name is None:
+            raise RetainSuiteMismatchError(f"{ep.trajectory.task_id!r} is in none of the retain "
+                                           f"suites {list(suites)}")
+        out.setdefault(name, []).append(ep)
+    return {name: out[name] for name in suites if name in out}
 
 
-def summarize_suites(episodes: Sequence[Episode], k: int = 3,
-                     seed: int = 0) -> dict[str, EvalSummary]:
+def summarize_suites(episodes: Sequence[Episode], suites: Mapping[str, Sequence[str]],
+                     k: int = 3, seed: int = 0) -> dict[str, EvalSummary]:
     """One ``EvalSummary`` per retain suite present in ``episodes`` (one policy)."""
     return {suite: summarize_eval(eps, k=k, seed=seed)
-            for suite, eps in split_by_suite(episodes).items()}
+            for suite, eps in split_by_suite(episodes, suites).items()}
 
 
 @dataclass(frozen=True)
@@ -181,13 +134,12 @@ def retain_delta(start: Mapping[str, SuiteScores], final: Mapping[str, SuiteScor
     if set(start) != set(final):
         raise RetainSuiteMismatchError(f"suites differ: start {sorted(start)}, final "
                                        f"{sorted(final)}")
-    order = [s for s in RETAIN_SUITES if s in start] + sorted(set(start) - set(RETAIN_SUITES))
     return RetainDelta(tuple(_suite_delta(s, start[s].per_task_success(),
                                           final[s].per_task_success(), n_boot, seed, alpha)
-                             for s in order), n_boot, seed)
+                             for s in start), n_boot, seed)
 
 
 __all__ = [
-    "RetainDelta", "RetainScorer", "RetainSuiteMismatchError", "SuiteDelta", "SuiteScores",
-    "check_retain_solvable", "retain_delta", "split_by_suite", "summarize_suites",
+    "RetainDelta", "RetainSuiteMismatchError", "SuiteDelta", "SuiteScores", "retain_delta",
+    "retain_suite_tasks", "split_by_suite", "summarize_suites",
 ]

@@ -261,7 +261,8 @@ def load_run(path: str | Path) -> RunDir:
 def find_arms(path: str | Path) -> dict[str, Path]:
     """The arms of an experiment directory (name -> run directory); empty for a plain run.
 
-    ``experiment.json`` (``closedloop.experiment``: ``{"arms": {name: {"run_dir": path}}}``, or
+    ``experiment.json`` (``closedloop.experiments.controls``: ``{"arms": {name: {"run_dir":
+    path}}}``, or
     ``{name: path}``) names the arms; each is ``arms/<name>`` inside the directory when that
     folder exists (so a moved or copied experiment reads its own arms), else the recorded path
     (relative to the directory). Without it: every sub-folder of ``arms/`` that holds a
@@ -300,7 +301,8 @@ def experiment_of(run_path: str | Path) -> Path | None:
 
 def arm_evaluation(run: RunDir) -> tuple[str, EvalSummary | None]:
     """An arm's held-out result: its ``final`` evaluation, else its ``start`` one (the frozen
-    arm of ``closedloop.experiment`` is never updated, so its result is the start evaluation).
+    arm of ``closedloop.experiments.controls`` is never updated, so its result is the start
+    evaluation).
     Returns (label used, summary)."""
     final = eval_summary(run, "final")
     return ("final", final) if final is not None else ("start", eval_summary(run, "start"))

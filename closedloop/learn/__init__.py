@@ -6,6 +6,7 @@ protocols the objectives and the trainer satisfy are the update contract,
 ``closedloop.contracts.update``.
 """
 
+from closedloop.contracts.batch import KLSpec
 from closedloop.errors import (
     GroupTooSmallError,
     KLPlacementError,
@@ -33,7 +34,6 @@ from closedloop.learn.credit import (
 )
 from closedloop.learn.kl import (
     KL_ESTIMATORS,
-    KLSpec,
     exact_kl,
     get_kl_estimator,
     kl_k1,

@@ -25,18 +25,16 @@ tests/learn/test_kl.py checks these identities exactly on a small categorical.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Literal
 
 import torch
 
+from closedloop.contracts.batch import KL_ESTIMATOR_NAMES, KLSpec
 from closedloop.errors import KLPlacementError, LearnError, UnknownNameError
 
 __all__ = [
     "KL_ESTIMATORS",
     "KLPlacementError",
-    "KLSpec",
     "exact_kl",
     "get_kl_estimator",
     "kl_k1",
@@ -47,8 +45,6 @@ __all__ = [
 ]
 
 KLFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-KLPlacement = Literal["loss", "reward"]
-KLSampling = Literal["behavior", "current"]
 
 
 def kl_k1(logp_theta: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
@@ -71,6 +67,7 @@ def kl_k3(logp_theta: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
 
 
 KL_ESTIMATORS: Mapping[str, KLFn] = MappingProxyType({"k1": kl_k1, "k2": kl_k2, "k3": kl_k3})
+assert tuple(KL_ESTIMATORS) == KL_ESTIMATOR_NAMES  # the contract names exactly these
 """Sampled-token KL estimators by name; read-only."""
 
 
@@ -91,43 +88,6 @@ def exact_kl(logp_theta_V: torch.Tensor, logp_ref_V: torch.Tensor) -> torch.Tens
     p = logp_theta_V.exp()
     terms = torch.where(p > 0, p * (logp_theta_V - logp_ref_V), torch.zeros_like(p))
     return terms.sum(dim=-1)
-
-
-@dataclass(frozen=True)
-class KLSpec:
-    """How KL(πθ || πref) is estimated and where it enters the update.
-
-    ``estimator``: "k1" | "k2" | "k3". ``beta``: coefficient (>= 0). ``placement``: "loss"
-    (β·KL is added to the loss, reduced with the objective's reducer) or "reward" (β·Σ_t k is
-    subtracted from the episode reward before credit; see :func:`kl_reward_penalty`).
-    ``sampling``: which policy sampled the tokens the estimate averages over — "current" (πθ,
-    the estimate is unbiased for k1/k3) or "behavior" (π_beh; unbiased only when π_beh = πθ,
-    e.g. the first step of the strict synchronous baseline). ``direction``: only "theta||ref".
-    """
-
-    estimator: str = "k3"
-    beta: float = 0.0
-    placement: KLPlacement = "loss"
-    sampling: KLSampling = "behavior"
-    direction: str = "theta||ref"
-
-    def __post_init__(self) -> None:
-        """Validate every field; a bad placement raises :class:`KLPlacementError`."""
-        get_kl_estimator(self.estimator)
-        if self.placement not in ("loss", "reward"):
-            raise KLPlacementError(
-                f"placement must be 'loss' or 'reward' (never both), got {self.placement!r}"
-            )
-        if self.sampling not in ("behavior", "current"):
-            raise KLPlacementError(
-                f"sampling must be 'behavior' or 'current', got {self.sampling!r}"
-            )
-        if self.direction != "theta||ref":
-            raise KLPlacementError(
-                f"only direction 'theta||ref' is implemented, got {self.direction!r}"
-            )
-        if not self.beta >= 0.0:
-            raise KLPlacementError(f"beta must be >= 0, got {self.beta}")
 
 
 def validate_kl_placement(loss_spec: KLSpec | None, reward_spec: KLSpec | None) -> None:

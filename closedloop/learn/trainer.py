@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from closedloop.contracts.batch import KLSpec, TrainingBatch
 from closedloop.contracts.update import (
     Metrics,
     Objective,
@@ -37,10 +38,9 @@ from closedloop.contracts.update import (
 )
 from closedloop.engine import check_precision, matmul_precision, trainer_path_logprobs
 from closedloop.errors import BatchReuseError, LearnError
-from closedloop.learn.kl import KLSpec
 from closedloop.learn.objectives import ClipRange, get_objective, ratio_stats
 from closedloop.learn.reducers import reducer_weights
-from closedloop.rollout.tensors import ShiftedTargets, TrainingBatch, shift_targets
+from closedloop.rollout.tensors import ShiftedTargets, shift_targets
 
 
 @dataclass(frozen=True)

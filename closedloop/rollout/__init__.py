@@ -1,5 +1,6 @@
 """Rollout: version-pinned group collection, training tensors, replay, ledger and admission."""
 
+from closedloop.contracts.batch import TrainingBatch
 from closedloop.errors import (
     DuplicateConsumptionError,
     DuplicateGroupError,
@@ -24,12 +25,7 @@ from closedloop.rollout.ledger import (
 )
 from closedloop.rollout.replay import ReplayReport, replay_trace
 from closedloop.rollout.source import ActionSample, GeneratorSource, ScriptedSource
-from closedloop.rollout.tensors import (
-    ShiftedTargets,
-    TrainingBatch,
-    build_training_batch,
-    shift_targets,
-)
+from closedloop.rollout.tensors import ShiftedTargets, build_training_batch, shift_targets
 
 __all__ = [  # noqa: RUF022 -- grouped by topic
     # collection

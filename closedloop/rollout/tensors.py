@@ -26,21 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from closedloop.contracts import Episode
+from closedloop.contracts.batch import TrainingBatch
 from closedloop.errors import ContractError
-
-
-@dataclass(frozen=True)
-class TrainingBatch:
-    """Padded pre-shift tensors for B episodes (right padding)."""
-
-    token_ids_B_T: torch.Tensor
-    attention_mask_B_T: torch.Tensor
-    action_mask_B_T: torch.Tensor
-    behavior_logprobs_B_T: torch.Tensor
-    raw_logprobs_B_T: torch.Tensor
-    turn_ids_B_T: torch.Tensor
-    episode_ids: tuple[str, ...]
-    group_ids: tuple[str, ...]
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """One training run: set-up, warm start, synchronous RL steps with resume, evaluation.
 
-``TrainingRun`` owns the run directory and every part a step touches; ``closedloop.loop`` reads
-like seed 000's minimum training loop and calls its methods. A run directory holds::
+``TrainingRun`` owns the run directory and every part a step touches; ``closedloop.training.loop``
+reads like the minimal training loop (docs/concepts.md) and calls its methods. A run directory
+holds::
 
     config.json        the resolved config (and its hash), environment and package versions
     launches.jsonl     one line per launch (git revision, versions, a declared config override)
@@ -17,7 +18,7 @@ like seed 000's minimum training loop and calls its methods. A run directory hol
     metrics.jsonl      one record per (kind, step, label), each written exactly once
     summary.json       the final summary (written only once every RL step is committed)
 
-Every launch first proves the directory (``closedloop.run_integrity``): the config is the
+Every launch first proves the directory (``closedloop.training.integrity``): the config is the
 recorded one unless an override is declared, the ledger passes its integrity checks and the
 newest checkpoint's digest, and checkpoints, ledger, registry, metrics and traces agree; what
 cannot be reconciled stops the run with an error naming the file. Resume: the latest
@@ -28,10 +29,11 @@ seeds and weights; a checkpoint whose step record never reached ``metrics.jsonl`
 right after its commit) is set aside and its step run again; so a resumed run ends with the
 weights and the metrics of an uninterrupted one.
 
-The run's parts, one module each: ``run`` (``TrainingRun`` and its set-up), ``state`` (what
-the parts share), ``policy`` (adapter, manifest, publication, collection), ``warm_start`` (SFT
-and the SFT-only control), ``evaluation`` (suites, retain, audit), ``rl_step`` and
-``checkpoints`` (checkpoint and resume).
+The run's parts, one module each: ``wiring`` (scaffold, manifest, collector parts), ``run``
+(``TrainingRun`` and its set-up), ``state`` (what the parts share), ``run_policy`` (adapter,
+manifest, publication, collection), ``warm_start`` (SFT and the SFT-only control),
+``run_evaluation`` (suites, retain, audit), ``rl_step``, ``resume`` (checkpoint and resume),
+``integrity`` (the run directory proved on every launch) and ``loop`` (the reference loop).
 """
 
 from closedloop.contracts import canonical_json

@@ -21,7 +21,7 @@ from closedloop.rollout.admission import apply_decision
 from closedloop.rollout.collector import CollectedGroup
 from closedloop.rollout.ledger import GroupSummary
 from closedloop.rollout.tensors import build_training_batch
-from closedloop.training.checkpoints import RunCheckpoints
+from closedloop.training.resume import RunCheckpoints
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from closedloop.config import RunConfig
+from closedloop.config import RunConfig, task_set_request
 from closedloop.contracts.metrics_log import MetricsLog
+from closedloop.contracts.package import TaskSetRequest
 from closedloop.engine import PrecisionChoice, resolve_for_run
-from closedloop.envs.plugin import TaskSetRequest
 from closedloop.errors import EnvPackageError
 from closedloop.policy import check_append_only, load_model
 from closedloop.policy.registry import PolicyRegistry
@@ -25,17 +25,17 @@ from closedloop.progress import log, phase
 from closedloop.rollout.admission import AdmissionController
 from closedloop.rollout.ledger import Ledger
 from closedloop.rollout.task_sampler import DifficultyBandSampler
-from closedloop.run_integrity import (
+from closedloop.training.integrity import (
     RunLock,
     check_config,
     check_tasks,
     recorded_meta,
     require_complete,
 )
-from closedloop.runtime import make_renderer, run_package, task_set_request
-from closedloop.training.evaluation import RunEvaluation
 from closedloop.training.rl_step import RunRLStep
+from closedloop.training.run_evaluation import RunEvaluation
 from closedloop.training.warm_start import RunWarmStart
+from closedloop.training.wiring import make_renderer, run_package
 
 
 def _seed_all(seed: int) -> None:
@@ -65,7 +65,7 @@ def _versions() -> dict[str, str]:
 
 class TrainingRun(RunRLStep, RunEvaluation, RunWarmStart):
     """The state of one run (see ``closedloop.training``): set-up here; the policy and
-    collection (``closedloop.training.policy``), the warm start and SFT-only control
+    collection (``closedloop.training.run_policy``), the warm start and SFT-only control
     (``.warm_start``), evaluation and audit (``.evaluation``), the RL step (``.rl_step``) and
     checkpoint/resume (``.checkpoints``) are its parts."""
 
@@ -73,7 +73,8 @@ class TrainingRun(RunRLStep, RunEvaluation, RunWarmStart):
                  config_override: str | None = None,
                  precision: PrecisionChoice | None = None) -> None:
         """Lock the run directory and check its config against the recorded one
-        (``closedloop.run_integrity``; ``config_override`` is the declared reason for a change).
+        (``closedloop.training.integrity``; ``config_override`` is the declared reason for a
+        change).
         ``precision``: a resolution to adopt on the first launch (an experiment's arms share
         their cold start's); a run directory's recorded one always wins.
         """

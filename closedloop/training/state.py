@@ -17,8 +17,8 @@ from typing import Any
 from closedloop.config import RunConfig
 from closedloop.contracts import GuardedVerifier
 from closedloop.contracts.metrics_log import MetricsLog
+from closedloop.contracts.package import EnvPackage
 from closedloop.engine import HFGenerator, PrecisionChoice
-from closedloop.envs.plugin import EnvPackage
 from closedloop.learn.trainer import Trainer
 from closedloop.policy import LoadedModel
 from closedloop.policy.registry import PolicyRegistry

@@ -11,15 +11,15 @@ from typing import Any
 import torch
 
 from closedloop.contracts import Episode, content_hash
+from closedloop.contracts.package import ScriptedPolicyLike
 from closedloop.engine import drop_bf16_copies
-from closedloop.envs.plugin import ScriptedPolicyLike
 from closedloop.errors import RunStateError
 from closedloop.learn.sft import supervised_warm_start
 from closedloop.policy import attach_lora
 from closedloop.policy.registry import version_name
 from closedloop.progress import Progress, log, phase
 from closedloop.rollout.source import ScriptedSource
-from closedloop.training.policy import RunPolicy, adapter_state
+from closedloop.training.run_policy import RunPolicy, adapter_state
 
 
 def load_warm_start(sft_dir: Path) -> tuple[dict[str, torch.Tensor], int]:

@@ -18,7 +18,7 @@ from closedloop.contracts import (
     PolicyUpdater,
     TaskVerifier,
 )
-from closedloop.envs.plugin import BUILTIN, resolve_package
+from closedloop.envs.discovery import BUILTIN, resolve_package
 from closedloop.learn.objectives import OBJECTIVES, get_objective
 from closedloop.learn.trainer import Trainer, TrainerConfig
 
@@ -79,7 +79,7 @@ def test_importing_the_contracts_imports_no_torch() -> None:
             "import closedloop.contracts.transition\n"
             "assert 'torch' not in sys.modules\n"
             "assert not any(m.startswith(('closedloop.learn', 'closedloop.rollout',\n"
-            "                             'closedloop.envs', 'closedloop.verify'))\n"
+            "                             'closedloop.envs', 'closedloop.envs.terminal'))\n"
             "               for m in sys.modules), 'a contract module imported a higher layer'\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             check=False)

@@ -1,21 +1,23 @@
 """The package's layers, checked on the sources (ast): no module imports from a layer above its
-own, at module level or inside a function. An import under ``if TYPE_CHECKING:`` (annotations
-only, never executed) may reach up only where ``ANNOTATION_ONLY`` names it.
+own, at module level, inside a function or under ``if TYPE_CHECKING:`` — no exemption.
 
 Layers, bottom to top (a module may import its own layer and the ones below):
 
-0. ``closedloop.errors``, ``closedloop.intervals``, ``closedloop.contracts``
-1. ``closedloop.envs``
-2. ``closedloop.verify``
-3. ``closedloop.policy``, ``closedloop.engine`` (the engine's own boundary: ``test_boundary.py``)
-4. ``closedloop.rollout``
-5. ``closedloop.learn``
-6. ``closedloop.evaluate``
-7. the run modules: ``closedloop`` itself, ``config``, ``runtime``, ``run_integrity``,
-   ``training``, ``loop``, ``experiment``, ``replicates``, ``export``, ``progress``, ``cli``
+0. ``closedloop.errors``, ``closedloop.intervals``, ``closedloop.progress``,
+``closedloop.contracts``
+1. ``closedloop.envs`` (the framework and one package per environment)
+2. ``closedloop.policy``, ``closedloop.engine`` (the engine's own boundary: ``test_boundary.py``)
+3. ``closedloop.rollout``
+4. ``closedloop.learn``
+5. ``closedloop.evaluate``, ``closedloop.export``
+6. ``closedloop.config``
+7. ``closedloop.training`` (one run: wiring, roles, loop, integrity)
+8. ``closedloop.experiments`` (controls, replicates, reevaluation)
+9. ``closedloop.cli``, ``closedloop`` itself
 
 Every module of the package must fall in one layer, so a new top-level module or subpackage
-has to be placed in the table before it can land.
+has to be placed in the table before it can land. Within ``closedloop.envs`` the generic part
+never imports an environment's own package (``test_no_generic_module_imports_an_environment``).
 """
 
 from __future__ import annotations
@@ -27,18 +29,20 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYERS: dict[str, int] = {
-    "closedloop.errors": 0, "closedloop.intervals": 0, "closedloop.contracts": 0,
+    "closedloop.errors": 0, "closedloop.intervals": 0, "closedloop.progress": 0,
+    "closedloop.contracts": 0,
     "closedloop.envs": 1,
-    "closedloop.verify": 2,
-    "closedloop.policy": 3, "closedloop.engine": 3,
-    "closedloop.rollout": 4,
-    "closedloop.learn": 5,
-    "closedloop.evaluate": 6,
-    **{f"closedloop.{m}": 7 for m in ("config", "runtime", "run_integrity", "training", "loop",
-                                      "experiment", "replicates", "reevaluate", "export",
-                                      "progress", "cli")},
-    "closedloop": 7,
+    "closedloop.policy": 2, "closedloop.engine": 2,
+    "closedloop.rollout": 3,
+    "closedloop.learn": 4,
+    "closedloop.evaluate": 5, "closedloop.export": 5,
+    "closedloop.config": 6,
+    "closedloop.training": 7,
+    "closedloop.experiments": 8,
+    "closedloop.cli": 9, "closedloop": 9,
 }
+ENVIRONMENT_PACKAGES = ("terminal", "keydoor", "shopping", "searchqa")
+"""``closedloop.envs`` subpackages that are environments (the rest is the framework)."""
 
 
 def layer_of(module: str) -> int | None:
@@ -53,28 +57,9 @@ def layer_of(module: str) -> int | None:
 
 
 def module_name(path: Path) -> str:
-    """``closedloop/envs/plugin.py`` -> ``closedloop.envs.plugin`` (a package: its name)."""
+    """``closedloop/envs/plugin.py`` -> ``closedloop.envs.discovery`` (a package: its name)."""
     parts = path.relative_to(ROOT).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-ANNOTATION_ONLY = frozenset({
-    # the update contract annotates with the learn layer's KL spec and rollout's batch
-    "closedloop.contracts.update imports closedloop.learn.kl",
-    "closedloop.contracts.update imports closedloop.rollout.tensors",
-})
-"""Upward imports allowed under ``TYPE_CHECKING``: ``<module> imports <target>``."""
-
-
-def type_checking_lines(tree: ast.AST) -> set[int]:
-    """Line numbers inside ``if TYPE_CHECKING:`` (or ``typing.TYPE_CHECKING``) bodies."""
-    lines: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING",
-                                                                  "typing.TYPE_CHECKING"):
-            for child in node.body:
-                lines.update(range(child.lineno, (child.end_lineno or child.lineno) + 1))
-    return lines
 
 
 def imported_modules(node: ast.AST, module: str, is_package: bool) -> list[str]:
@@ -95,13 +80,11 @@ def imported_modules(node: ast.AST, module: str, is_package: bool) -> list[str]:
 
 
 def violations(source: str, module: str, is_package: bool = False) -> list[str]:
-    """Each import in ``source`` (the module ``module``) that reaches a layer above its own,
-    except the ``TYPE_CHECKING`` imports ``ANNOTATION_ONLY`` allows."""
+    """Each import in ``source`` (the module ``module``) that reaches a layer above its own."""
     own = layer_of(module)
     if own is None:
         return [f"{module}: not placed in LAYERS"]
     tree = ast.parse(source)
-    annotations_only = type_checking_lines(tree)
     found = []
     for node in ast.walk(tree):
         for target in imported_modules(node, module, is_package):
@@ -110,8 +93,7 @@ def violations(source: str, module: str, is_package: bool = False) -> list[str]:
             theirs = layer_of(target)
             if theirs is None:
                 found.append(f"{module}:{node.lineno} imports {target}, not placed in LAYERS")
-            elif theirs > own and not (node.lineno in annotations_only
-                                       and f"{module} imports {target}" in ANNOTATION_ONLY):
+            elif theirs > own:
                 found.append(f"{module}:{node.lineno} (layer {own}) imports {target} "
                              f"(layer {theirs})")
     return found
@@ -131,15 +113,27 @@ def test_no_module_imports_from_a_higher_layer():
     assert found == []
 
 
-def test_every_annotation_only_exception_is_still_needed():
-    used = set()
+def environment_of(module: str) -> str | None:
+    """The environment package ``module`` belongs to (``closedloop.envs.<env>``), else None."""
+    parts = module.split(".")
+    if len(parts) >= 3 and parts[:2] == ["closedloop", "envs"] and (
+            parts[2] in ENVIRONMENT_PACKAGES):
+        return parts[2]
+    return None
+
+
+def test_no_generic_module_imports_an_environment():
+    found = []
     for p in package_sources():
+        module = module_name(p)
+        own = environment_of(module)
         tree = ast.parse(p.read_text(encoding="utf-8"))
-        lines = type_checking_lines(tree)
-        used |= {f"{module_name(p)} imports {t}" for n in ast.walk(tree)
-                 if getattr(n, "lineno", 0) in lines
-                 for t in imported_modules(n, module_name(p), p.name == "__init__.py")}
-    assert used >= ANNOTATION_ONLY
+        for node in ast.walk(tree):
+            for target in imported_modules(node, module, p.name == "__init__.py"):
+                theirs = environment_of(target)
+                if theirs is not None and theirs != own:
+                    found.append(f"{module}:{node.lineno} imports {target}")
+    assert found == []
 
 
 def test_every_subpackage_and_top_level_module_is_placed():
@@ -151,12 +145,12 @@ def test_every_subpackage_and_top_level_module_is_placed():
 
 
 @pytest.mark.parametrize(("line", "module"), [
-    ("def f():\n    from closedloop.verify.verifier import check_solvable", "closedloop.envs.x"),
-    ("from closedloop.verify import Verifier", "closedloop.envs.tasks.x"),
-    ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from closedloop.verify import V",
+    ("def f():\n    from closedloop.learn.trainer import Trainer", "closedloop.envs.x"),
+    ("from closedloop.rollout import Collector", "closedloop.envs.terminal.families.x"),
+    ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from closedloop.learn import T",
      "closedloop.envs.x"),
     ("import closedloop.evaluate.stats", "closedloop.rollout.x"),
-    ("from closedloop.evaluate.stats import wilson_interval", "closedloop.verify.audit"),
+    ("from closedloop.evaluate.stats import wilson_interval", "closedloop.envs.verifier_audit"),
     ("from closedloop import training", "closedloop.learn.x"),
     ("from closedloop.config import RunConfig", "closedloop.evaluate.x"),
     ("from closedloop.envs import EnvError", "closedloop.errors"),
@@ -164,7 +158,9 @@ def test_every_subpackage_and_top_level_module_is_placed():
     ("from ..learn import trainer", "closedloop.rollout.x"),
     ("import closedloop.newpackage", "closedloop.learn.x"),
     ("if TYPE_CHECKING:\n    from closedloop.learn.kl import KLSpec", "closedloop.contracts.x"),
-    ("if TYPE_CHECKING:\n    from closedloop.learn import T", "closedloop.contracts.update"),
+    ("if TYPE_CHECKING:\n    from closedloop.rollout.tensors import T",
+     "closedloop.contracts.update"),
+    ("from closedloop.experiments.controls import ARMS", "closedloop.training.loop"),
 ])
 def test_an_upward_import_is_caught(line, module):
     assert violations(line, module)
@@ -172,13 +168,13 @@ def test_an_upward_import_is_caught(line, module):
 
 @pytest.mark.parametrize(("line", "module"), [
     ("from closedloop.errors import EnvError", "closedloop.envs.x"),
-    ("from closedloop.contracts import Action", "closedloop.verify.x"),
+    ("from closedloop.contracts import Action", "closedloop.envs.terminal.x"),
     ("from closedloop.policy.generator import Generator", "closedloop.engine.x"),
-    ("from closedloop.verify.verifier import check_solvable", "closedloop.training"),
+    ("from closedloop.envs.terminal.verifier import check_solvable", "closedloop.training"),
     ("from closedloop import errors", "closedloop.rollout.x"),
-    ("from . import base", "closedloop.envs.tasks.x"),
+    ("from . import base", "closedloop.envs.terminal.families.x"),
     ("import torch", "closedloop.contracts.x"),
-    ("if TYPE_CHECKING:\n    from closedloop.learn.kl import X", "closedloop.contracts.update"),
+    ("from closedloop.training.loop import train", "closedloop.experiments.controls"),
 ])
 def test_a_downward_or_same_layer_import_is_allowed(line, module):
     assert violations(line, module) == []
@@ -186,3 +182,9 @@ def test_a_downward_or_same_layer_import_is_allowed(line, module):
 
 def test_a_module_outside_the_table_is_reported():
     assert violations("import os", "closedloop.newpackage.x")
+
+
+def test_an_environment_reached_from_the_framework_is_caught():
+    assert environment_of("closedloop.envs.terminal.verifier") == "terminal"
+    assert environment_of("closedloop.envs.discovery") is None
+    assert environment_of("closedloop.evaluate.retain") is None

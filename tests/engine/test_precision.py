@@ -30,7 +30,7 @@ from closedloop.engine.precision import (
     matmul_precision,
 )
 from closedloop.engine.prefix_logprobs import trainer_path_logprobs
-from closedloop.learn.audit import audit_logprobs
+from closedloop.learn.logprob_audit import audit_logprobs
 from closedloop.learn.trainer import Trainer, TrainerConfig
 from closedloop.policy import attach_lora, build_tiny_model
 from closedloop.rollout.tensors import build_training_batch

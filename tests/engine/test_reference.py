@@ -1,4 +1,4 @@
-"""The fast paths equal the plain transformers reference (``closedloop.engine.reference``).
+"""The fast paths equal the plain transformers reference (``closedloop.engine.transformers_path``).
 
 Scoring: ``sequence_logprobs`` and ``trainer_path_logprobs`` (prompts shared or not) against
 ``reference_logprobs`` (full logits, log-softmax of ``z / τ``, gather). Generation:

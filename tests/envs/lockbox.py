@@ -34,15 +34,10 @@ from closedloop.contracts import (
     content_hash,
     parse_action,
 )
-from closedloop.envs.plugin import (
-    EnvPackage,
-    EnvPackageError,
-    EnvTaskSets,
-    TaskInfo,
-    TaskSetRequest,
-)
+from closedloop.contracts.package import EnvPackage, EnvTaskSets, TaskInfo, TaskSetRequest
+from closedloop.envs.discovery import EnvPackageError
+from closedloop.envs.terminal.fixtures import AdjudicatedFixture
 from closedloop.errors import EpisodeDoneError, EpisodeNotDoneError, SealedSnapshotError
-from closedloop.verify.fixtures import AdjudicatedFixture
 
 ENV_ID = "lockbox-v1"
 ENV_VERSION = "lockbox-env-v1"

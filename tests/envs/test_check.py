@@ -12,13 +12,13 @@ from closedloop.envs import (
     ReplayMismatchError,
     ResetNondeterminismError,
     StepNondeterminismError,
-    TerminalRepairEnv,
     check_env,
     random_actions,
     replay_property,
 )
-from closedloop.envs.workspace import initial_rng_state, rng_state_hash
-from tests.envs.fixtures import (
+from closedloop.envs.terminal import TerminalRepairEnv
+from closedloop.envs.terminal.workspace import initial_rng_state, rng_state_hash
+from tests.envs.terminal.fixtures import (
     CLI_LONG,
     CLI_TASK,
     FAST_SANDBOX,

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 
 from closedloop.contracts import Action, ScoreResult, SnapshotRef
+from closedloop.contracts.package import TaskSetRequest
 from closedloop.envs import check_actions
 from closedloop.envs.check import check_env, check_fork_isolation, check_package, find_probe
 from closedloop.envs.check_actions import CheckOptionError, garbage_text, random_actions
-from closedloop.envs.plugin import TaskSetRequest
 from closedloop.errors import (
     EnvCheckError,
     EnvRaisedError,
@@ -27,8 +27,8 @@ from closedloop.errors import (
     RestoreMismatchError,
     VerifierCheckError,
 )
-from tests.envs.fixtures import JSON_TASK, source
 from tests.envs.lockbox import LockboxEnv, LockboxVerifier, lockbox_package, make_package
+from tests.envs.terminal.fixtures import JSON_TASK, source
 
 PACKAGE = lockbox_package()
 TASKS = list(PACKAGE.task_sets(TaskSetRequest(2, 1, 0)).train)

@@ -34,7 +34,7 @@ from closedloop.errors import ReplayMismatchError
 
 
 def _terminal_task_ids(n: int = 2) -> list[str]:
-    from closedloop.envs.tasks.registry import FAMILIES, generate_task
+    from closedloop.envs.terminal.families.registry import FAMILIES, generate_task
 
     family = next(iter(FAMILIES.values()))
     return [generate_task(family.family_id, t, 0).spec.task_id for t in family.templates[:n]]
@@ -115,7 +115,7 @@ def test_frozenlake_package_passes_check_env_with_fork_checks():
 
 
 def test_frozenlake_verifier_agrees_with_its_fixtures_within_the_gate_bounds():
-    from closedloop.verify.audit import audit_verifier
+    from closedloop.envs.verifier_audit import audit_verifier
 
     package = frozenlake_package()
     audit = audit_verifier(package.fixtures(None), package.verifier())

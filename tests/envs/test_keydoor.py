@@ -7,13 +7,14 @@ import random
 import pytest
 
 from closedloop.contracts import Action, Termination
+from closedloop.contracts.package import TaskSetRequest
 from closedloop.envs.check import check_package
+from closedloop.envs.discovery import resolve_package
 from closedloop.envs.keydoor import ACTIONS, CATALOG, KeyDoorExpert, KeyDoorRules, available
 from closedloop.envs.keydoor.package import keydoor_package
 from closedloop.envs.keydoor.rules import opening_from
-from closedloop.envs.plugin import TaskSetRequest, resolve_package
 from closedloop.envs.sim import SimEnv
-from closedloop.verify.audit import audit_verifier
+from closedloop.envs.verifier_audit import audit_verifier
 
 PKG = keydoor_package()
 

@@ -13,14 +13,13 @@ from typing import Any
 
 import pytest
 
-from closedloop.config import parse_config
+from closedloop.config import parse_config, task_set_request
 from closedloop.contracts import ConfigError, ContractError, ScoreResult, guarded
-from closedloop.envs.plugin import (
+from closedloop.contracts.package import EnvTaskSets, TaskSetRequest
+from closedloop.envs.discovery import (
     DEFAULT_ENV_ID,
     ENTRY_POINT_GROUP,
     EnvPackageError,
-    EnvTaskSets,
-    TaskSetRequest,
     UnknownEnvironmentError,
     load_dotted,
     package_for_version,
@@ -28,8 +27,8 @@ from closedloop.envs.plugin import (
     resolve_package,
     resolve_section,
 )
-from closedloop.runtime import run_package, task_set_request
-from closedloop.verify.terminal_package import terminal_package
+from closedloop.envs.terminal.package import terminal_package
+from closedloop.training.wiring import run_package
 from tests.envs.lockbox import ENV_ID, ENV_VERSION, LockboxVerifier, lockbox_package
 
 FACTORY = "tests.envs.lockbox:lockbox_package"
@@ -144,8 +143,12 @@ def test_environment_options_reach_the_package_which_checks_them() -> None:
     sets = lock.task_sets(request)
     assert (len(sets.train), len(sets.heldout)) == (3, 2)
     with pytest.raises(EnvPackageError, match="lockbox takes no options"):
-        lock.task_sets(task_set_request(parse_config({"environment": {"options": {"x": 1}}}),
-                                        lock))
+        lock.task_sets(dataclasses.replace(request, options={"x": 1}))
+    # the default (terminal) package checks its options when the config is loaded
+    with pytest.raises(ConfigError, match=re.escape("environment.options.x")):
+        parse_config({"environment": {"options": {"x": 1}}})
+    with pytest.raises(ConfigError, match=re.escape("environment.train_levels")):
+        parse_config({"environment": {"train_levels": ["exact", "bogus"]}})
     with pytest.raises(ConfigError, match=re.escape("environment.train_levels")):  # a terminal key
         task_set_request(parse_config({"environment": {"train_levels": ["exact"]}}), lock)
     terminal = terminal_package()

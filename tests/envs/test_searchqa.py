@@ -7,15 +7,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from closedloop.contracts import Action, Termination
+from closedloop.contracts.package import TaskSetRequest
 from closedloop.envs.check import check_package
-from closedloop.envs.plugin import TaskSetRequest, resolve_package
+from closedloop.envs.discovery import resolve_package
 from closedloop.envs.searchqa import is_correct, normalize
 from closedloop.envs.searchqa.corpus import Bm25Retriever, corpus_bytes, passages, retriever
 from closedloop.envs.searchqa.corpus_build import DATA_DIR, render
 from closedloop.envs.searchqa.package import searchqa_package
 from closedloop.envs.searchqa.rules import search_results
 from closedloop.envs.searchqa.tasks import CATALOG, TEMPLATES
-from closedloop.verify.audit import audit_verifier
+from closedloop.envs.verifier_audit import audit_verifier
 
 PKG = searchqa_package()
 

@@ -4,12 +4,13 @@ task, recovery from a wrong item, a hidden constraint-checked outcome, adjudicat
 import pytest
 
 from closedloop.contracts import Action, Termination
+from closedloop.contracts.package import TaskSetRequest
 from closedloop.envs.check import check_package
-from closedloop.envs.plugin import TaskSetRequest, resolve_package
+from closedloop.envs.discovery import resolve_package
 from closedloop.envs.shopping import CATALOG, ShoppingExpert, satisfies
 from closedloop.envs.shopping.package import shopping_package
 from closedloop.envs.shopping.rules import price_of, world_catalog
-from closedloop.verify.audit import audit_verifier
+from closedloop.envs.verifier_audit import audit_verifier
 
 PKG = shopping_package()
 

@@ -6,9 +6,10 @@ import json
 import pytest
 
 from closedloop.contracts import Action, SnapshotMismatchError, Termination
-from closedloop.envs.plugin import EnvPackageError, TaskSetRequest
+from closedloop.contracts.package import Opening, Outcome, TaskSetRequest
+from closedloop.envs.discovery import EnvPackageError
 from closedloop.envs.sim import SimEnv, decode_sim_state
-from closedloop.envs.sim.env import Opening, Outcome, SnapshotUnsupportedError
+from closedloop.envs.sim.env import SnapshotUnsupportedError
 from closedloop.envs.sim.package import catalog_task_sets, draw_task_ids
 from closedloop.envs.sim.state import SimState
 from closedloop.errors import (

@@ -32,7 +32,8 @@ from closedloop.contracts import (
 )
 from closedloop.contracts.update import ObjectiveInputs
 from closedloop.envs.scripted import ExpertPolicy
-from closedloop.envs.tasks.registry import FAMILIES, generate_task, get_bundle
+from closedloop.envs.terminal.families.registry import FAMILIES, generate_task, get_bundle
+from closedloop.envs.terminal.verifier import Verifier
 from closedloop.evaluate.gates import GateReport, evaluate_gates
 from closedloop.evaluate.heldout import summarize_eval
 from closedloop.learn.checkpoint import save_checkpoint
@@ -45,8 +46,7 @@ from closedloop.rollout.collector import CollectedGroup
 from closedloop.rollout.ledger import GroupSummary, Ledger
 from closedloop.rollout.source import ActionSample, ScriptedSource
 from closedloop.rollout.tensors import build_training_batch, shift_targets
-from closedloop.runtime import CollectorParts, make_collector
-from closedloop.verify.verifier import Verifier
+from closedloop.training.wiring import CollectorParts, make_collector
 
 SYSTEM_PROMPT = "You repair files with tools."
 WORKER = "generator-0"
@@ -347,7 +347,7 @@ def audit_record(run: Path, abs_max: float = 1e-5, abs_p95: float = 1e-6,
 
 
 def build_experiment(root: Path) -> Path:
-    """The layout of ``closedloop.experiment``: experiment.json and arms/{frozen, rloo,
+    """The layout of ``closedloop.experiments.controls``: experiment.json and arms/{frozen, rloo,
     shuffled, sft_only}. rloo is a copy of the clean run with a passing consistency audit;
     frozen has only its start evaluation (it is never updated); shuffled and sft_only change
     nothing."""

@@ -18,8 +18,10 @@ import pytest
 import torch
 
 from closedloop.cli import main
-from closedloop.envs.tasks.registry import get_spec
-from closedloop.envs.terminal import TerminalRepairEnv
+from closedloop.envs.terminal import TerminalRepairEnv, graders
+from closedloop.envs.terminal.families.registry import get_spec
+from closedloop.envs.terminal.fixtures import default_fixture_task_ids
+from closedloop.envs.terminal.package import terminal_package
 from closedloop.errors import SealedSnapshotError
 from closedloop.evaluate import gates as gates_pkg
 from closedloop.evaluate.gates import (
@@ -34,9 +36,6 @@ from closedloop.evaluate.gates import (
 from closedloop.learn.objectives import BoundObjective as Objective
 from closedloop.policy.registry import PolicyRegistry
 from closedloop.rollout.ledger import DuplicateConsumptionError, Ledger
-from closedloop.verify import graders
-from closedloop.verify.fixtures import default_fixture_task_ids
-from closedloop.verify.terminal_package import terminal_package
 from tests.evaluate.synthetic_run import (
     Spec,
     audit_record,

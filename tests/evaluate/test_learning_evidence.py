@@ -14,8 +14,8 @@ from closedloop.evaluate.learning import (
     zero_variance_table,
 )
 from closedloop.evaluate.rundir import RunDir, TraceFile
-from closedloop.loop import curve_steps
-from closedloop.replicates import pool_replicates, replicate_config
+from closedloop.experiments.replicates import pool_replicates, replicate_config
+from closedloop.training.loop import curve_steps
 from tests.factories import make_traj, make_turn
 
 
@@ -47,7 +47,8 @@ B_EXACT = "cli-repair-v1/off-by-one.exact/002-cccccccc"
 def test_template_and_level_parse_leveled_and_plain_ids():
     assert template_and_level(A_EXACT) == ("wrong-type", "exact")
     assert template_and_level("json-repair-v1/missing-key/004-dddddddd") == ("missing-key",
-                                                                             "symptom")
+                                                                             "unleveled")
+    assert template_and_level("keydoor-v1/standard/004-dddddddd") == ("standard", "unleveled")
 
 
 def test_cold_start_table_counts_per_cell_and_per_level_with_wilson_intervals():
@@ -167,7 +168,7 @@ def test_only_runs_the_chosen_replicates_and_pools_those_finished_elsewhere(tmp_
                                                                            monkeypatch):
     import json
 
-    import closedloop.replicates as replicates
+    import closedloop.experiments.replicates as replicates
 
     tasks = [f"t{i}" for i in range(4)]
     ran: list[int] = []
@@ -198,7 +199,7 @@ def test_only_runs_the_chosen_replicates_and_pools_those_finished_elsewhere(tmp_
 
 
 def test_pool_measured_leaves_out_replicates_whose_gates_did_not_all_pass():
-    from closedloop.replicates import pool_measured
+    from closedloop.experiments.replicates import pool_measured
 
     tasks = [f"t{i}" for i in range(4)]
     reps = [_rep(0, dict.fromkeys(tasks, 0.0), dict.fromkeys(tasks, 0.5), lo=0.1),
@@ -219,7 +220,7 @@ def test_smoke_seeds_prints_each_replicates_claim_and_the_pool_of_measured_ones(
     import json
 
     import closedloop.evaluate.report as report
-    import closedloop.replicates as replicates
+    import closedloop.experiments.replicates as replicates
     from closedloop.cli import main
 
     tasks = [f"t{i}" for i in range(4)]
@@ -300,7 +301,7 @@ def test_the_experiment_printout_names_each_other_suite_with_its_arms() -> None:
 def test_replicates_json_is_written_once_with_each_replicates_claim(tmp_path, monkeypatch):
     import json
 
-    import closedloop.replicates as replicates
+    import closedloop.experiments.replicates as replicates
 
     tasks = [f"t{i}" for i in range(4)]
     written: list[bytes] = []

@@ -18,11 +18,11 @@ import pytest
 from matplotlib.image import imread
 
 from closedloop.cli import _report_lines, main
+from closedloop.envs.terminal import build_fixtures
 from closedloop.evaluate import gates as gates_pkg
 from closedloop.evaluate.gates import GATE_NAMES, Gate, GateReport
 from closedloop.evaluate.report import build_report, capability_claim, render_html, write_report
 from closedloop.evaluate.stats import wilson_interval
-from closedloop.verify import build_fixtures
 from tests.evaluate.synthetic_run import (
     clean_experiment,
     clean_gates,

@@ -6,17 +6,19 @@ import pytest
 
 from closedloop.contracts import Episode, Termination
 from closedloop.envs.scripted import ExpertPolicy, RandomPolicy, play
-from closedloop.envs.tasks.retain import RETAIN_SUITES, suite_bundles
 from closedloop.envs.terminal import TerminalRepairEnv
+from closedloop.envs.terminal.families.retain_suites import RETAIN_SUITES, suite_bundles
+from closedloop.envs.terminal.package import terminal_package
+from closedloop.envs.terminal.retain_scorer import RetainScorer
+from closedloop.envs.terminal.verifier import Verifier
 from closedloop.evaluate.retain import (
     RetainDelta,
-    RetainScorer,
     RetainSuiteMismatchError,
     retain_delta,
+    retain_suite_tasks,
     split_by_suite,
     summarize_suites,
 )
-from closedloop.verify.verifier import Verifier
 from tests.factories import make_traj
 
 
@@ -84,8 +86,9 @@ def _episodes(policy_for, version):
 
 
 def test_expert_then_random_policy_shows_a_full_regression_in_every_suite():
-    start = summarize_suites(_episodes(lambda b, s: ExpertPolicy(b), "v0000"), k=2)
-    final = summarize_suites(_episodes(lambda b, s: RandomPolicy(s), "v0001"), k=2)
+    suites = retain_suite_tasks(terminal_package(), list(RETAIN_SUITES))
+    start = summarize_suites(_episodes(lambda b, s: ExpertPolicy(b), "v0000"), suites, k=2)
+    final = summarize_suites(_episodes(lambda b, s: RandomPolicy(s), "v0001"), suites, k=2)
     assert list(start) == list(RETAIN_SUITES)
     assert {s: e.pass_at_1 for s, e in start.items()} == dict.fromkeys(RETAIN_SUITES, 1.0)
     assert final["safety"].pass_at_1 == 0.0
@@ -97,7 +100,6 @@ def test_expert_then_random_policy_shows_a_full_regression_in_every_suite():
 
 
 def test_split_by_suite_rejects_non_retain_episodes():
-    from closedloop.envs.tasks.base import UnknownTaskError
-
-    with pytest.raises(UnknownTaskError):
-        split_by_suite([Episode(make_traj(), ())])
+    suites = retain_suite_tasks(terminal_package(), list(RETAIN_SUITES))
+    with pytest.raises(RetainSuiteMismatchError, match="in none of the retain suites"):
+        split_by_suite([Episode(make_traj(), ())], suites)

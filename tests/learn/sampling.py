@@ -7,18 +7,13 @@ from typing import Any
 
 from closedloop.contracts import Episode, SamplerConfig, sha256_hex
 from closedloop.engine import HFGenerator
+from closedloop.envs.terminal.package import AGENT_TOOLS, SYSTEM_PROMPT
+from closedloop.envs.terminal.task_sets import list_tasks
+from closedloop.envs.terminal.verifier import Verifier
 from closedloop.policy import ChatRenderer
 from closedloop.policy.weights import weights_checksum
 from closedloop.rollout.source import GeneratorSource
-from closedloop.runtime import (
-    AGENT_TOOLS,
-    SYSTEM_PROMPT,
-    CollectorParts,
-    build_manifest,
-    make_collector,
-)
-from closedloop.verify.task_sets import list_tasks
-from closedloop.verify.verifier import Verifier
+from closedloop.training.wiring import CollectorParts, build_manifest, make_collector
 
 
 def sample_episodes(model: Any, tok: Any, sampler: SamplerConfig, *, siblings: int,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from closedloop.contracts import ContractError, Episode, SamplerConfig, sha256_hex
-from closedloop.learn.audit import audit_logprobs, audit_tolerances
+from closedloop.learn.logprob_audit import audit_logprobs, audit_tolerances
 from closedloop.policy import build_tiny_model, load_embedded_tokenizer
 from tests.learn.sampling import sample_episodes
 

@@ -12,7 +12,7 @@ from closedloop.contracts import SamplerConfig
 from closedloop.evaluate.gates.base import GateOptions
 from closedloop.evaluate.gates.signal import gate_learning_signal, gate_ratio_on_policy
 from closedloop.evaluate.rundir import RunDir
-from closedloop.learn.audit import audit_logprobs
+from closedloop.learn.logprob_audit import audit_logprobs
 from closedloop.learn.trainer import Trainer, TrainerConfig
 from closedloop.policy import build_tiny_model, load_embedded_tokenizer
 from closedloop.policy.lora import attach_lora

@@ -10,19 +10,14 @@ from closedloop.contracts import (
     load_episodes,
 )
 from closedloop.engine import HFGenerator
-from closedloop.envs.tasks.registry import get_bundle
+from closedloop.envs.terminal.families.registry import get_bundle
+from closedloop.envs.terminal.package import AGENT_TOOLS, SYSTEM_PROMPT
+from closedloop.envs.terminal.task_sets import list_tasks
+from closedloop.envs.terminal.verifier import Verifier
 from closedloop.policy import ChatRenderer, build_tiny_model, load_embedded_tokenizer
 from closedloop.policy.weights import weights_checksum
 from closedloop.rollout.source import GeneratorSource, ScriptedSource
-from closedloop.runtime import (
-    AGENT_TOOLS,
-    SYSTEM_PROMPT,
-    CollectorParts,
-    build_manifest,
-    make_collector,
-)
-from closedloop.verify.task_sets import list_tasks
-from closedloop.verify.verifier import Verifier
+from closedloop.training.wiring import CollectorParts, build_manifest, make_collector
 
 
 class GoldPolicy:
@@ -174,7 +169,7 @@ class Scripted:
 
 
 def _command_task():
-    from closedloop.envs.tasks.registry import get_spec
+    from closedloop.envs.terminal.families.registry import get_spec
     for task in list_tasks(split="train"):
         spec = get_spec(task)
         if spec.commands and "run" in spec.allowed_tools:
@@ -192,7 +187,7 @@ def _collect_one(renderer, policy, task, writer=None):
 
 
 def test_sandbox_infrastructure_failure_is_infra_abort_unscored(renderer, monkeypatch):
-    import closedloop.envs.sandbox as sandbox_module
+    import closedloop.envs.terminal.sandbox as sandbox_module
 
     task, command = _command_task()
 

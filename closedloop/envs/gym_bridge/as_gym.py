@@ -1,6 +1,6 @@
 """Any ``AgentEnv`` as a ``gymnasium.Env``: text in, text out, the verifier's reward at the end.
 
-``AgentGymEnv`` takes an environment package (``closedloop.envs.plugin.EnvPackage``, by id or
+``AgentGymEnv`` takes an environment package (``closedloop.envs.discovery.EnvPackage``, by id or
 as a record) or the three parts directly (an env factory, task ids and a ``TaskVerifier``).
 
 - Spaces: observations and actions are ``gymnasium.spaces.Text`` over ``CHARSET`` (printable
@@ -134,13 +134,13 @@ class AgentGymEnv(gymnasium.Env[str, str]):
 
 
 def _resolve(env_id: str) -> Any:
-    from closedloop.envs.plugin import resolve_package
+    from closedloop.envs.discovery import resolve_package
 
     return resolve_package(env_id)
 
 
 def _task_ids(package: Any, split: str, n: int) -> tuple[str, ...]:
-    from closedloop.envs.plugin import TaskSetRequest
+    from closedloop.contracts.package import TaskSetRequest
 
     sets = package.task_sets(TaskSetRequest(n if split == "train" else 1,
                                             n if split == "heldout" else 1))

@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from closedloop.contracts import Action, Termination
-from closedloop.envs.sim.env import Opening, Outcome, error_outcome
+from closedloop.contracts.package import Opening, Outcome
+from closedloop.envs.sim.env import error_outcome
 from closedloop.errors import GymAdapterError, TaskError
 
 

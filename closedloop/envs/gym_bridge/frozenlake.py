@@ -21,8 +21,8 @@ from functools import cache
 from typing import Any
 
 from closedloop.contracts import Action
+from closedloop.contracts.package import EnvPackage
 from closedloop.envs.gym_bridge.from_gym import GymRules, GymTask
-from closedloop.envs.plugin import EnvPackage
 from closedloop.envs.sim.catalog import SimFamily, SimTask, TaskCatalog, TaskDraft
 from closedloop.envs.sim.env import SimEnv
 from closedloop.envs.sim.package import sim_package

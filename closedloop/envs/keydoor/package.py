@@ -18,11 +18,11 @@ from functools import cache
 from typing import Any
 
 from closedloop.contracts import Action
+from closedloop.contracts.package import EnvPackage
 from closedloop.envs.keydoor.expert import KeyDoorExpert
 from closedloop.envs.keydoor.rules import ACTIONS, KeyDoorRules
 from closedloop.envs.keydoor.tasks import CATALOG
 from closedloop.envs.keydoor.verifier import make_verifier
-from closedloop.envs.plugin import EnvPackage
 from closedloop.envs.scripted import play
 from closedloop.envs.sim.env import SimEnv
 from closedloop.envs.sim.package import sim_package

@@ -22,9 +22,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from closedloop.contracts import Action
+from closedloop.contracts.package import Opening, Outcome
 from closedloop.envs.keydoor.tasks import CATALOG, COLOURS
 from closedloop.envs.sim.catalog import TaskCatalog
-from closedloop.envs.sim.env import Opening, Outcome, error_outcome
+from closedloop.envs.sim.env import error_outcome
 from closedloop.errors import TaskError
 
 ENV_VERSION = "keydoor-v1"

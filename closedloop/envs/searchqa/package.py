@@ -17,7 +17,7 @@ from functools import cache
 from typing import Any
 
 from closedloop.contracts import Action
-from closedloop.envs.plugin import EnvPackage
+from closedloop.contracts.package import EnvPackage
 from closedloop.envs.searchqa.corpus import passages
 from closedloop.envs.searchqa.expert import SearchQAExpert
 from closedloop.envs.searchqa.rules import SearchQARules

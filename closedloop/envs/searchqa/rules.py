@@ -19,10 +19,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from closedloop.contracts import Action, Termination
+from closedloop.contracts.package import Opening, Outcome
 from closedloop.envs.searchqa.corpus import Bm25Retriever, passage_by_id, retriever
 from closedloop.envs.searchqa.tasks import CATALOG
 from closedloop.envs.sim.catalog import TaskCatalog
-from closedloop.envs.sim.env import Opening, Outcome, error_outcome
+from closedloop.envs.sim.env import error_outcome
 
 ENV_VERSION = "searchqa-v1"
 TOP_K = 3

@@ -24,7 +24,7 @@ from typing import Any
 
 from closedloop.envs.searchqa.corpus import corpus_hash, passages, world
 from closedloop.envs.sim.catalog import SimFamily, TaskCatalog, TaskDraft
-from closedloop.envs.task import Split
+from closedloop.envs.task_records import Split
 from closedloop.errors import TaskError
 
 FAMILY_ID = "searchqa-v1"

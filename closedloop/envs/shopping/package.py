@@ -16,7 +16,7 @@ from functools import cache
 from typing import Any
 
 from closedloop.contracts import Action
-from closedloop.envs.plugin import EnvPackage
+from closedloop.contracts.package import EnvPackage
 from closedloop.envs.shopping.expert import ShoppingExpert
 from closedloop.envs.shopping.rules import TOOLS, ShoppingRules, world_catalog
 from closedloop.envs.shopping.tasks import CATALOG, CATEGORIES, satisfies

@@ -30,9 +30,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from closedloop.contracts import Action, Termination
+from closedloop.contracts.package import Opening, Outcome
 from closedloop.envs.shopping.tasks import CATALOG
 from closedloop.envs.sim.catalog import TaskCatalog
-from closedloop.envs.sim.env import Opening, Outcome, error_outcome
+from closedloop.envs.sim.env import error_outcome
 
 ENV_VERSION = "shopping-v1"
 MAX_RESULTS = 8

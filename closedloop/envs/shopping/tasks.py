@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from closedloop.envs.sim.catalog import SimFamily, TaskCatalog, TaskDraft
-from closedloop.envs.task import Split
+from closedloop.envs.task_records import Split
 
 FAMILY_ID = "shopping-v1"
 COLOURS = ("red", "blue", "green", "black", "orange", "grey")

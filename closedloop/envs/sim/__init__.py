@@ -4,15 +4,9 @@
 Key-and-door, the shopping simulator and SearchQA are built on these.
 """
 
+from closedloop.contracts.package import Opening, Outcome, Rules
 from closedloop.envs.sim.catalog import SimFamily, SimTask, TaskCatalog, TaskDraft, make_task_id
-from closedloop.envs.sim.env import (
-    Opening,
-    Outcome,
-    Rules,
-    SimEnv,
-    error_observation,
-    error_outcome,
-)
+from closedloop.envs.sim.env import SimEnv, error_observation, error_outcome
 from closedloop.envs.sim.state import SIM_STATE_FORMAT, SimCounters, SimState, decode_sim_state
 
 __all__ = ["SIM_STATE_FORMAT", "Opening", "Outcome", "Rules", "SimCounters", "SimEnv",

@@ -22,7 +22,7 @@ from functools import lru_cache
 from typing import Any
 
 from closedloop.contracts import canonical_json, content_hash
-from closedloop.envs.task import Split
+from closedloop.envs.task_records import Split
 from closedloop.errors import TaskError
 
 _ID_RE = re.compile(r"^(?P<family>[a-z0-9-]+)/(?P<template>[a-z0-9-]+)/(?P<index>\d{3,})-"

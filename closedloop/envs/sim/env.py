@@ -23,9 +23,6 @@ optional end of episode). ``SimEnv`` does everything else, the same way for ever
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any, Protocol
 
 from closedloop.contracts import (
     Action,
@@ -35,6 +32,7 @@ from closedloop.contracts import (
     canonical_json,
     parse_action,
 )
+from closedloop.contracts.package import Outcome, Rules
 from closedloop.envs.sim.state import MAX_LOG, SimCounters, SimState, decode_sim_state
 from closedloop.envs.snapshots import SnapshotBook
 from closedloop.errors import (
@@ -46,46 +44,6 @@ from closedloop.errors import (
     SnapshotUnsupportedError,
     TaskError,
 )
-
-
-@dataclass(frozen=True)
-class Opening:
-    """What the rules produce at reset: the world, the time budget and the first observation."""
-
-    world: Mapping[str, Any]
-    budget: int
-    observation: str
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """The result of one tool action under the rules.
-
-    world: the new world, or ``None`` when the action changed nothing. cost: clock units the
-    action took (>= 1). end: a termination code when the action ends the episode; final_action
-    names that action in the state (``buy``, ``answer``).
-    """
-
-    observation: str
-    error: str | None = None
-    world: Mapping[str, Any] | None = None
-    cost: int = 1
-    end: Termination | None = None
-    final_action: str | None = None
-
-
-class Rules(Protocol):
-    """The pure dynamics of one simulated environment."""
-
-    env_version: str
-
-    def opening(self, task_id: str, seed: int) -> Opening:
-        """Build the world of ``task_id`` at ``seed`` (``TaskError`` for an unknown task)."""
-        ...
-
-    def apply(self, world: Mapping[str, Any], action: Action) -> Outcome:
-        """Apply one tool action to ``world`` (a fresh copy the rules may keep)."""
-        ...
 
 
 def error_outcome(code: str, message: str, cost: int = 1) -> Outcome:

@@ -1,4 +1,4 @@
-"""An ``EnvPackage`` (``closedloop.envs.plugin``) for a simulated environment over a catalog.
+"""An ``EnvPackage`` (``closedloop.envs.discovery``) for a simulated environment over a catalog.
 
 ``sim_package`` derives the catalog-shaped parts every simulated environment shares:
 
@@ -21,18 +21,19 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from closedloop.envs.plugin import (
+from closedloop.contracts.package import (
     ActionSampler,
     EnvPackage,
     EnvTaskSets,
     ForkProbe,
+    Rules,
     ScriptedFactory,
     TaskInfo,
     TaskSetRequest,
 )
 from closedloop.envs.sim.catalog import TaskCatalog
-from closedloop.envs.sim.env import Rules, SimEnv
-from closedloop.envs.task import Split
+from closedloop.envs.sim.env import SimEnv
+from closedloop.envs.task_records import Split
 from closedloop.errors import EnvPackageError
 
 

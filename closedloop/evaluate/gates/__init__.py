@@ -30,7 +30,7 @@ from pathlib import Path
 
 from closedloop.errors import RunDirError, UnknownGateError
 from closedloop.evaluate.gates import environment as _env
-from closedloop.evaluate.gates import ledger as _ledger
+from closedloop.evaluate.gates import exactly_once as _ledger
 from closedloop.evaluate.gates import live as _live
 from closedloop.evaluate.gates import signal as _signal
 from closedloop.evaluate.gates import traces as _traces

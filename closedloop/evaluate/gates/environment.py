@@ -3,7 +3,7 @@ and the verifier on adjudicated fixtures.
 
 The environment, its verifier and its fixtures come from the run's registered environment
 package (``package_of``: the ``environment`` section of the run's ``config.json``, resolved by
-``closedloop.envs.plugin``), never from the terminal tasks by default. An exception of the
+``closedloop.envs.discovery``), never from the terminal tasks by default. An exception of the
 environment's own type is reported with its type name as the gate's evidence, never raised.
 What a package does not offer is said by name: an env that is not a ``SealingEnv`` cannot seal
 (the seal checks do not apply, and the detail says so); a package without fixtures leaves the
@@ -24,13 +24,14 @@ import random
 from typing import Any
 
 from closedloop.contracts import Action, Episode, SealingEnv
+from closedloop.contracts.package import EnvPackage
 from closedloop.envs.check import check_env, check_reset, replay_property
-from closedloop.envs.plugin import EnvPackage, resolve_section
+from closedloop.envs.discovery import resolve_section
+from closedloop.envs.verifier_audit import audit_verifier
 from closedloop.errors import EpisodeDoneError, SealedSnapshotError
 from closedloop.evaluate.gates.base import MAX_LISTED, Gate, GateOptions, make_gate
 from closedloop.evaluate.rundir import RunDir
 from closedloop.rollout.replay import replay_episode
-from closedloop.verify.audit import audit_verifier
 
 __all__ = ["FN_UPPER_BOUND", "FP_UPPER_BOUND", "gate_fork_isolation", "gate_reset_state_hash",
            "gate_restore_replay", "gate_verifier_fp_fn", "package_of"]

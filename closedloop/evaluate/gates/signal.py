@@ -13,7 +13,7 @@ of a fresh synchronous batch. Each RL step logs, over the batch's action tokens,
 - bfloat16 run audited against the bf16 same-engine baseline: a step's p99 exceeds
   max(τ, ``audit.json`` ``tolerance_p99``), where ``tolerance_p99`` = max(τ_audit, 2·p99_t b_t)
   and b_t = |log π_bf16(a_t) − log π_fp32(a_t)| on the audited tokens
-  (``closedloop.learn.audit.audit_tolerances``). bf16 rounding on both sides gives |log r| a
+  (``closedloop.learn.logprob_audit.audit_tolerances``). bf16 rounding on both sides gives |log r| a
   rare-token tail whose maximum grows with the number of tokens it is taken over, so a step's
   max is not comparable with the audit's max over another number of tokens; a quantile is.
   The step max is reported in the evidence, not gated;

@@ -22,9 +22,10 @@ from typing import NamedTuple
 
 import torch
 
+from closedloop.contracts.batch import KLSpec
 from closedloop.contracts.update import ObjectiveInputs, ObjectiveOutput
 from closedloop.errors import LearnError
-from closedloop.learn.kl import KLSpec, get_kl_estimator, validate_kl_placement
+from closedloop.learn.kl import get_kl_estimator, validate_kl_placement
 from closedloop.learn.objectives.inputs import PreparedBatch
 from closedloop.learn.reducers import turn_slot_ids
 

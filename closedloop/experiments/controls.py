@@ -1,0 +1,218 @@
+"""The four controls from one cold start (seed 000 §7; seed 002 step 11.5.5).
+
+    frozen     the warm-started policy, no update (its held-out result is the start evaluation)
+    rloo       the normal synchronous RL arm
+    shuffled   the null: the same loop with rewards permuted within each group
+    sft_only   supervised steps on fresh demonstrations, trained action tokens matched to rloo
+
+Every arm starts from the same warm start (its adapter is copied, not retrained) and is
+evaluated on the same held-out tasks with the same seeds and the same scaffold. Each arm's
+success is reported with its paired difference from ``frozen`` (bootstrap over tasks). The
+experiment directory holds ``experiment.json`` and one run directory per arm under ``arms/``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Literal
+
+from closedloop.config import RunConfig
+from closedloop.contracts import load_episodes
+from closedloop.engine import PrecisionChoice
+from closedloop.errors import RunStateError
+from closedloop.evaluate.heldout import EvalSummary, summarize_eval
+from closedloop.evaluate.stats import paired_bootstrap_ci
+from closedloop.policy.registry import atomic_write_bytes, version_name
+from closedloop.progress import log, phase, phase_times, reset_phases
+from closedloop.training.integrity import recorded_meta
+from closedloop.training.loop import evaluate_start, final_suites, opened_run, train
+from closedloop.training.run_evaluation import eval_name
+
+ARMS = ("frozen", "rloo", "shuffled", "sft_only")
+SHARED = ("sft/adapter.pt", "sft/result.json", "traces/sft-demos.jsonl",
+          "traces/eval-start.jsonl", "traces/eval-start-family.jsonl",
+          "traces/eval-start-train.jsonl", "traces/eval-retain-start.jsonl", "audit.json")
+SUITE_ARMS = ("frozen", "rloo", "shuffled")
+"""The arms evaluated on the family-disjoint and the train suites: each suite's comparison is RL
+final − frozen start, beside the shuffled-reward null on the same suite (a gain the null shares
+is not the reward's). The SFT-only control answers the template-disjoint claim and skips them;
+the retain suites' final evaluation is the RL arm's alone."""
+
+
+def _copy_cold_start(cold: Path, arm: Path) -> None:
+    """Give an arm the cold start's warm-start adapter and start evaluation."""
+    for rel in SHARED:
+        src, dst = cold / rel, arm / rel
+        if src.is_file() and not dst.is_file():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst)
+
+
+def _eval_of(run_dir: Path, label: str, cfg: RunConfig, suite: str = "heldout") -> EvalSummary:
+    _, episodes = load_episodes(run_dir / "traces" / f"eval-{eval_name(label, suite)}.jsonl")
+    return summarize_eval(episodes, k=cfg.evaluation.attempts_per_task, seed=cfg.training.seed)
+
+
+def _suites(cfg: RunConfig) -> tuple[str, ...]:
+    """``heldout`` (the template-disjoint suite, every arm), then ``family`` (families absent
+    from training) and ``train`` (the tasks RL draws its groups from: what the gradient moved in
+    distribution, not a capability claim) where the config evaluates them."""
+    return ("heldout", *final_suites(cfg))
+
+
+def _cold_start(cfg: RunConfig, frozen_dir: Path, config_override: str | None = None) -> None:
+    """Warm start, publish v0000, evaluate it on every suite and audit it: the frozen arm."""
+    with opened_run(cfg, frozen_dir, config_override) as run:
+        if not run.resume():
+            run.publish(version_name(0))
+        manifest = run.registry.manifest(version_name(0))
+        evaluate_start(run)
+        run.evaluate_retain("start", manifest)
+        if not (frozen_dir / "audit.json").is_file():
+            run.audit_frozen("start", manifest)
+
+
+def cold_start_precision(frozen_dir: Path) -> PrecisionChoice | None:
+    """The precision the cold start resolved (its config.json): every arm of the experiment
+    adopts it, so the arms compute alike even where a measured race decided."""
+    recorded = recorded_meta(frozen_dir).get("precision")
+    return None if recorded is None else PrecisionChoice.from_dict(recorded)
+
+
+def _sft_only(cfg: RunConfig, arm_dir: Path, tokens: int,
+              config_override: str | None = None,
+              precision: PrecisionChoice | None = None) -> None:
+    with opened_run(cfg, arm_dir, config_override, precision) as run:
+        if not (arm_dir / "traces" / "eval-final.jsonl").is_file():
+            run.publish(version_name(0))
+            run.sft_only(tokens, "matched")
+        final = run.registry.manifest(version_name(cfg.training.rl_steps))
+        run.evaluate("final", final)
+
+
+def _final_suites(cfg: RunConfig, arm_dir: Path, config_override: str | None) -> None:
+    """Evaluate a finished arm's final policy on each of ``final_suites`` it has not been
+    evaluated on (an experiment directory written before that suite was evaluated)."""
+    missing = [s for s in final_suites(cfg)
+               if not (arm_dir / "traces" / f"eval-{eval_name('final', s)}.jsonl").is_file()]
+    if not missing:
+        return
+    log(f"experiment: arm {arm_dir.name}, final policy on the {', '.join(missing)} suite(s)")
+    with opened_run(cfg, arm_dir, config_override) as run:
+        if not run.resume():
+            raise RunStateError(arm_dir, "the arm's summary exists but no checkpoint resumes",
+                                "delete the arm's directory to train it again")
+        final = run.registry.manifest(version_name(cfg.training.rl_steps))
+        for suite in missing:
+            run.evaluate("final", final, suite=suite)
+
+
+def _trained_tokens(run_dir: Path) -> int:
+    """Action tokens the RL arm's optimizer steps trained on (from its metrics)."""
+    total = 0
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("kind") == "rl_step":
+            total += int(rec.get("metrics", {}).get("batch/n_action_tokens") or 0)
+    return total
+
+
+def run_experiment(cfg: RunConfig, exp_dir: str | Path,
+                   config_override: str | None = None) -> dict[str, Any]:
+    """Run (or resume) the four arms and write experiment.json; return its content.
+
+    The shuffled arm runs the same loop and budgets as rloo; its held-out evaluations are the
+    start (shared) and the final one (``curve_points: 2``): the learning curve is the RL arm's.
+    """
+    root = Path(exp_dir)
+    arms = {name: root / "arms" / name for name in ARMS}
+    t0 = time.perf_counter()
+    reset_phases()
+    log("experiment: cold start (warm start, start evaluation, audit) = the frozen arm")
+    with phase("cold start (the frozen arm)"):
+        _cold_start(cfg, arms["frozen"], config_override)
+    precision = cold_start_precision(arms["frozen"])
+    controls: tuple[tuple[str, Literal["none", "shuffle_within_group"]], ...] = (
+        ("rloo", "none"), ("shuffled", "shuffle_within_group"))
+    for name, control in controls:
+        arm_cfg = replace(cfg, credit=replace(cfg.credit, reward_control=control))
+        if control != "none":
+            arm_cfg = replace(arm_cfg, evaluation=replace(arm_cfg.evaluation, curve_points=2))
+        if not (arms[name] / "summary.json").is_file():
+            _copy_cold_start(arms["frozen"], arms[name])
+            log(f"experiment: arm {name}")
+            with phase(f"arm {name}"):
+                train(arm_cfg, arms[name], config_override,
+                      final_other_suites=name in SUITE_ARMS, final_retain=name == "rloo",
+                      precision=precision)
+        elif name in SUITE_ARMS:
+            _final_suites(arm_cfg, arms[name], config_override)
+    tokens = _trained_tokens(arms["rloo"])
+    _copy_cold_start(arms["frozen"], arms["sft_only"])
+    log(f"experiment: arm sft_only, matched to {tokens} RL action tokens")
+    with phase("arm sft_only"):
+        _sft_only(cfg, arms["sft_only"], tokens, config_override, precision)
+    result = summarize_experiment(cfg, arms, tokens)
+    result["wall_s_this_launch"] = time.perf_counter() - t0
+    result["phases_this_launch"] = phase_times()
+    result["precision"] = precision.to_dict() if precision is not None else None
+    # replicates treat an existing experiment.json as a finished replicate: never half-written
+    atomic_write_bytes(root / "experiment.json",
+                       (json.dumps(result, indent=2, sort_keys=True) + "\n").encode())
+    return result
+
+
+def _arm_entry(summary: EvalSummary, base: dict[str, float] | None, cfg: RunConfig,
+               path: Path) -> dict[str, Any]:
+    """One arm's success on a suite; ``diff_vs_frozen`` against ``base`` (the frozen arm's
+    per-task success) unless ``base`` is None (the frozen arm itself)."""
+    per_task = summary.per_task_success()
+    entry: dict[str, Any] = {"run_dir": str(path), "success": summary.pass_at_1,
+                             "success_ci": summary.pass_at_1_ci,
+                             "pass_hat_k": summary.pass_hat_k,
+                             "invalid_action_rate": summary.invalid_action_rate,
+                             "per_task": per_task}
+    diff = None if base is None else paired_diff(per_task, base, cfg.training.seed)
+    if diff is not None:
+        entry["diff_vs_frozen"] = diff
+    return entry
+
+
+def paired_diff(treated: dict[str, float], base: dict[str, float],
+                seed: int) -> dict[str, Any] | None:
+    """Per-task ``treated − base`` over the tasks scored in both, with its paired bootstrap
+    interval (``estimate``, ``lo``, ``hi``, ``n_tasks``, ``excludes_zero``); None below 2."""
+    common = sorted(set(treated) & set(base))
+    if len(common) < 2:
+        return None
+    ci = paired_bootstrap_ci({t: treated[t] for t in common}, {t: base[t] for t in common},
+                             seed=seed)
+    return {"estimate": ci.estimate, "lo": ci.lo, "hi": ci.hi, "n_tasks": ci.n,
+            "excludes_zero": ci.lo > 0 or ci.hi < 0}
+
+
+def summarize_experiment(cfg: RunConfig, arms: dict[str, Path], tokens: int) -> dict[str, Any]:
+    """Each arm's success on each suite and its paired difference from frozen, with CIs.
+
+    ``arms`` (the template-disjoint held-out suite) keeps its historical place; the
+    family-disjoint and train suites, when evaluated, are under ``suites.family`` and
+    ``suites.train`` with the same fields.
+    """
+    out: dict[str, Any] = {"matched_action_tokens": tokens, "seeds": list(cfg.evaluation.seeds),
+                           "suites": {}}
+    for suite in _suites(cfg):
+        frozen = _eval_of(arms["frozen"], "start", cfg, suite)
+        base = frozen.per_task_success()
+        names = ARMS if suite == "heldout" else SUITE_ARMS
+        entries = {name: _arm_entry(frozen if name == "frozen"
+                                    else _eval_of(arms[name], "final", cfg, suite),
+                                    None if name == "frozen" else base, cfg, arms[name])
+                   for name in names}
+        out["suites"][suite] = {"tasks": len(base), "arms": entries}
+    out["arms"] = out["suites"]["heldout"]["arms"]
+    out["heldout_tasks"] = out["suites"]["heldout"]["tasks"]
+    return out

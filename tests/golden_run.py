@@ -119,7 +119,9 @@ def differences(golden: Any, now: Any, where: str = "") -> list[str]:
             return [f"{where}: {now!r:.200} != golden {golden!r:.200}"]
         return [d for i, (g, n) in enumerate(zip(golden, now, strict=True))
                 for d in differences(g, n, f"{where}[{i}]")]
-    return [] if _close(golden, now, where) else [f"{where}: {now!r:.200} != golden {golden!r:.200}"]
+    if _close(golden, now, where):
+        return []
+    return [f"{where}: {now!r:.200} != golden {golden!r:.200}"]
 
 
 def main(argv: list[str]) -> int:

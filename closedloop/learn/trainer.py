@@ -1,11 +1,11 @@
 """The trainer: master weights (or LoRA adapters), optimizer state, the update of a fresh batch.
 
 ``Trainer.step`` teacher-forces the recorded token ids (``closedloop.rollout.tensors``), scores
-them under πθ (with grad) and π_ref (no grad), and applies the objective registered under the
-configured name (``closedloop.learn.objectives.get_objective``) with the configured reducer:
-never a framework default. It takes one optimizer step per fresh batch, or
-``optimizer_steps_per_batch`` steps for an objective with ratios against π_beh (each step
-re-scores πθ on the same tokens). Micro-batching is exact: the reducer's per-token
+them under πθ (with grad) and π_ref (no grad), and applies the objective the config names (a
+registered name or a dotted path to a factory: ``closedloop.learn.objectives.get_objective``)
+with the configured reducer: never a framework default. It takes one optimizer step per fresh
+batch, or ``optimizer_steps_per_batch`` steps for an objective with ratios against π_beh (each
+step re-scores πθ on the same tokens). Micro-batching is exact: the reducer's per-token
 coefficients are computed once on the whole batch and each micro-batch is given its rows, so the
 summed gradient equals the whole-batch gradient.
 
@@ -130,8 +130,8 @@ class Trainer:
         proxs: dict[int, torch.Tensor] = {}
         n_act = n_tok = 0
         for _ in range(self.config.optimizer_steps_per_batch):
-            metrics, n_act, n_tok = self.accumulate_gradients(batch, advantages_B, success_B,
-                                                              refs, proxs)
+            metrics, n_act, n_tok = self._accumulate_gradients(batch, advantages_B, success_B,
+                                                               refs, proxs)
             params = [p for p in self.model.parameters() if p.requires_grad]
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm))
             if not math.isfinite(grad_norm):
@@ -147,11 +147,22 @@ class Trainer:
         first["optim/steps_on_batch"] = len(passes)
         return StepResult(first, norms[0], n_act, n_tok, tuple(passes))
 
-    def accumulate_gradients(self, batch: TrainingBatch, advantages_B: torch.Tensor,
-                             success_B: torch.Tensor | None = None,
-                             ref_cache: dict[int, torch.Tensor] | None = None,
-                             prox_cache: dict[int, torch.Tensor] | None = None
-                             ) -> tuple[Metrics, int, int]:
+    def loss_and_gradient(self, batch: TrainingBatch, advantages_B: torch.Tensor,
+                          success_B: torch.Tensor | None = None) -> tuple[float, torch.Tensor]:
+        """The loss of one batch and the flat gradient of the trainable parameters, without a
+        step (the gradients are zeroed again): what a step's first pass would apply."""
+        metrics, _, _ = self._accumulate_gradients(batch, advantages_B, success_B)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grad = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten()
+                          for p in params]).detach().clone()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(metrics["losses/loss"] or 0.0), grad
+
+    def _accumulate_gradients(self, batch: TrainingBatch, advantages_B: torch.Tensor,
+                              success_B: torch.Tensor | None = None,
+                              ref_cache: dict[int, torch.Tensor] | None = None,
+                              prox_cache: dict[int, torch.Tensor] | None = None
+                              ) -> tuple[Metrics, int, int]:
         """Zero the gradients, then backpropagate the whole batch in micro-batches.
 
         Returns (merged metrics, action tokens, tokens). The gradient equals the whole-batch

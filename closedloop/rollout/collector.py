@@ -1,11 +1,11 @@
 """Version-pinned, group-batched multi-turn collection: the generator's side of a rollout
-(version-pinned collection, docs/concepts.md).
+(trace record and token-id threading, docs/concepts.md).
 
 A ``GroupLease`` binds G sibling episodes of one task, seed, base snapshot, behaviour manifest
-and sampler. Each sibling gets its own environment instance (never one environment shared by
-a group). All live episodes of all groups step together: one batched ``act`` per turn, then
-one environment step each; finished episodes drop out. Every turn is written as a
-``TurnRecord`` as it happens; every episode ends as an unscored
+and sampler. Each sibling gets its own environment instance (never one shared env: siblings
+never see each other's writes). All live episodes of all groups step together: one batched
+``act`` per turn, then one environment step each; finished episodes drop out. Every turn is
+written as a ``TurnRecord`` as it happens; every episode ends as an unscored
 ``closedloop.rollout.verifier_step.Rollout`` holding the environment's exported final state.
 
 ``Collector.rollout`` stops there: scoring is the verifier step's own stage

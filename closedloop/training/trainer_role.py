@@ -82,13 +82,8 @@ class TrainerRole:
         """The loss and the flat gradient of the adapter on a batch, without a step (the
         gradients are zeroed again)."""
         batch = build_training_batch(list(episodes), pad_id=pad_id)
-        metrics, _, _ = self.trainer.accumulate_gradients(
-            batch, torch.tensor(list(advantages)), torch.tensor(list(success)))
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        grad = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten()
-                          for p in params]).detach().clone()
-        self.optimizer.zero_grad(set_to_none=True)
-        return float(metrics["losses/loss"] or 0.0), grad
+        return self.trainer.loss_and_gradient(batch, torch.tensor(list(advantages)),
+                                              torch.tensor(list(success)))
 
     def checkpoint(self, directory: Any, step: int, version: str, consumed: Sequence[str],
                    rng_states: Mapping[str, Any], extra: Mapping[str, Any]) -> None:

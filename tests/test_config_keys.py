@@ -38,7 +38,7 @@ REFUSED = [
     ("environment.snapshot_backend", "overlayfs"),
     ("environment.base_snapshot_per_task", False),
     ("environment.branching", True),
-    ("rollout.mode", "asynchronous"),
+    ("rollout.mode", "asynchronous"),  # the value is "async"
     ("rollout.pin_policy_for_full_episode", False),
     ("rollout.max_version_lag", 1),
     ("rollout.require_one_behavior_version_per_group", False),
@@ -88,3 +88,20 @@ def test_ppo_clip_may_reuse_a_batch() -> None:
     cfg = parse_config(seed_with("update.objective", "ppo_clip",
                                  update__optimizer_steps_per_fresh_batch=3))
     assert cfg.update.optimizer_steps_per_fresh_batch == 3
+
+
+def test_freshness_and_placement_are_valid_with_an_explicit_off_policy_correction() -> None:
+    with pytest.raises(ConfigError, match="explicit off-policy") as err:
+        parse_config(seed_with("rollout.max_version_lag", 1))  # reinforce_with_kl: no ratio
+    assert "rollout.max_version_lag" in str(err.value)
+    cfg = parse_config(seed_with("rollout.max_version_lag", 1, rollout__mode="async",
+                                 update__objective="ppo_clip",
+                                 update__proximal_policy="trainer_at_step_start"))
+    assert (cfg.rollout.mode, cfg.rollout.max_version_lag) == ("async", 1)
+    assert parse_config(seed_with("rollout.mode", "async")).rollout.max_version_lag == 0
+    with pytest.raises(ConfigError, match=r"update\.proximal_policy"):
+        parse_config(seed_with("update.proximal_policy", "trainer_at_step_start"))
+    with pytest.raises(ConfigError, match=r"rollout\.max_sample_drift"):
+        parse_config(seed_with("rollout.max_sample_drift", 0.0))
+    assert parse_config(seed_with("rollout.max_sample_drift", 0.05)).rollout.max_sample_drift \
+        == 0.05

@@ -50,10 +50,14 @@ DriftOf = Callable[[CollectedGroup], float | None]
 """D_sample of a group under the trainer's current weights."""
 
 
-def finished_at(group: CollectedGroup) -> float:
-    """Wall-clock time (epoch seconds) the group's last rollout finished."""
-    return max(datetime.fromisoformat(ep.trajectory.rollout_finished_at).timestamp()
-               for ep in group.episodes)
+def finished_at(group: CollectedGroup) -> float | None:
+    """Wall-clock time (epoch seconds) the group's last rollout finished (``None`` when a
+    member's ``rollout_finished_at`` is not an ISO time)."""
+    try:
+        return max(datetime.fromisoformat(ep.trajectory.rollout_finished_at).timestamp()
+                   for ep in group.episodes)
+    except ValueError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -240,7 +244,8 @@ class AdmissionQueue:
                          "reason": decision.reason, "delta_version": decision.lag,
                          "d_sample": decision.drift})
             ages.append(round(now - queued.queued_at, 3))
-            lags_t.append(round(now - finished_at(g), 3))
+            done = finished_at(g)
+            lags_t.append(None if done is None else round(now - done, 3))
         report = {"round": queued.round, "behavior_version": queued.behavior_version,
                   "train_version": f"v{u:04d}", "groups": rows,
                   "max_delta_version": max((r["delta_version"] for r in rows

@@ -522,3 +522,25 @@ def test_one_small_step_on_a_shared_parameter_batch_raises_the_surrogate_with_bo
     kl = float((old.exp() * (old - fresh)).sum(-1)[MASK > 0].mean())  # KL(old || new) per token
     assert after > before
     assert 0 <= kl < 0.05
+
+
+def test_decoupled_ppo_clip_weighs_by_prox_over_beh_and_clips_around_prox() -> None:
+    """π_prox = π_beh gives ppo_clip itself; with π_prox ≠ π_beh the gradient of a token is
+    -w · A · r · ∂log πθ (w = π_prox/π_beh capped, r = πθ/π_prox), and the clip binds on r."""
+    beh = torch.log(torch.tensor([[0.5, 0.2, 0.4]]))
+    prox = torch.log(torch.tensor([[0.6, 0.1, 0.4]]))  # w = 1.2, 0.5, 1.0
+    new = torch.log(torch.tensor([[0.6, 0.2, 0.6]])).requires_grad_(True)  # r = 1, 2, 1.5
+    base = dict(behavior_logprobs_B_T=beh, advantages_B=torch.tensor([1.0]),
+                mask_B_T=torch.ones(1, 3))
+    same = ppo_clip(ObjectiveInputs(new_logprobs_B_T=new, proximal_logprobs_B_T=beh, **base))
+    plain = ppo_clip(ObjectiveInputs(new_logprobs_B_T=new, **base))
+    assert float(same.loss.detach()) == pytest.approx(float(plain.loss.detach()))
+    out = ppo_clip(ObjectiveInputs(new_logprobs_B_T=new, proximal_logprobs_B_T=prox,
+                                   behavior_weight_cap=5.0, **base), ClipRange(0.2))
+    (grad,) = torch.autograd.grad(out.loss, new)
+    # token 0: w 1.2, r 1 -> -1.2; token 1: r 2 > 1.2 clipped -> 0; token 2: r 1.5 clipped -> 0
+    assert grad[0].tolist() == pytest.approx([-1.2, 0.0, 0.0], abs=1e-6)
+    capped = ppo_clip(ObjectiveInputs(new_logprobs_B_T=new, proximal_logprobs_B_T=prox,
+                                      behavior_weight_cap=1.1, **base), ClipRange(0.2))
+    (grad,) = torch.autograd.grad(capped.loss, new)
+    assert grad[0, 0].item() == pytest.approx(-1.1)

@@ -80,12 +80,18 @@ class RolloutSection:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int | None = None
-    pin_policy_for_full_episode: Literal[True] = True
+    # true: an episode never changes version (finish_old, abort_and_restart); false only with
+    # in_flight_policy mixed_policy.
+    pin_policy_for_full_episode: bool = True
     # Round r (the groups step r trains on) is sampled by v_max(0, r - max_version_lag): the
     # hard bound on u - v of every trained token. >= 1 needs an objective with ratios.
     max_version_lag: int = 0
     require_one_behavior_version_per_group: Literal[True] = True
-    in_flight_policy: Literal["finish_old"] = "finish_old"
+    # What an episode still running at a round's boundary does when a newer version reaches
+    # the round (partial_rollout_turns): finish_old (resume under its version),
+    # abort_and_restart (its whole group played again under the new one), mixed_policy
+    # (continue under the new one, labelled; needs pin_policy_for_full_episode: false).
+    in_flight_policy: Literal["finish_old", "abort_and_restart", "mixed_policy"] = "finish_old"
     partial_episode_policy: Literal["abort_and_restart"] = "abort_and_restart"
     require_termination_reason: Literal[True] = True
     context_compaction: Literal[False] = False
@@ -97,6 +103,10 @@ class RolloutSection:
     # The longest the generator or the trainer waits on the other (a round, capacity, a
     # publication) before stopping the run with QueueTimeoutError: never a silent hang.
     queue_timeout_s: float = 3600.0
+    # Partial rollouts: a round's episodes play this many turns, are paused into the segment
+    # store, and resume after the boundary at which the next version reaches the round
+    # (in_flight_policy). null: no boundary, every round is played under one version.
+    partial_rollout_turns: int | None = None
 
     @property
     def sampler(self) -> SamplerConfig:
@@ -300,6 +310,17 @@ def _check_freshness(cfg: RunConfig, uses_ratio: bool) -> None:
         raise ConfigError("rollout.queue_timeout_s", "must be > 0")
     if not u.behavior_weight_cap >= 1:
         raise ConfigError("update.behavior_weight_cap", "must be >= 1")
+    if r.partial_rollout_turns is not None and r.partial_rollout_turns < 1:
+        raise ConfigError("rollout.partial_rollout_turns", "must be >= 1 (or null)")
+    if r.in_flight_policy != "finish_old" and (r.partial_rollout_turns is None
+                                                or r.max_version_lag < 1):
+        raise ConfigError("rollout.in_flight_policy", f"{r.in_flight_policy} acts when a newer "
+                          "version reaches a round at its boundary: it needs "
+                          "rollout.partial_rollout_turns and rollout.max_version_lag >= 1")
+    if (r.in_flight_policy == "mixed_policy") == r.pin_policy_for_full_episode:
+        raise ConfigError("rollout.pin_policy_for_full_episode", "false exactly when "
+                          "in_flight_policy is mixed_policy (an episode that changes version "
+                          "is labelled mixed-policy, outside the strict baseline)")
 
 
 def _check_ranges(cfg: RunConfig) -> None:

@@ -121,6 +121,10 @@ def test_every_trained_group_is_one_version_behind_and_the_records_say_so(
                 if '"pipeline"' in x]
     assert pipeline and pipeline[0]["timing"]["generator_busy_s"] > 0
     assert gate_async_equals_sync(run, opts).applicable is False  # lag 1: not defined
+    from closedloop.evaluate.gates.traces import gate_one_behavior_version
+
+    pinned = gate_one_behavior_version(run, opts)  # no partial rollouts: no sample spans two
+    assert pinned.passed and pinned.evidence["mixed_episodes"] == 0, pinned.detail
 
 
 def test_async_equals_sync_at_lag_0_and_the_gate_can_fail(tiny_agent_dir: Path,
@@ -144,3 +148,78 @@ def test_async_equals_sync_at_lag_0_and_the_gate_can_fail(tiny_agent_dir: Path,
     path.write_text("".join(json.dumps(m) + "\n" for m in lines))
     failed = gate_async_equals_sync(load_run(tmp_path / "run"), GateOptions())
     assert failed.passed is False and "max |Δgrad| 0.001" in failed.detail
+
+
+# ----------------------------------------------------------------------------- in-flight policy
+def _in_flight(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(p.read_text())["in_flight"]
+            for p in sorted((run_dir / "segments").glob("step-*.json"))]
+
+
+def _partial(model_dir: Path, mode: str, policy: str) -> dict[str, Any]:
+    data = lag_config(model_dir, mode, 1)
+    data["rollout"] = {**data["rollout"], "partial_rollout_turns": 1,  # type: ignore[dict-item]
+                       "in_flight_policy": policy,
+                       "pin_policy_for_full_episode": policy != "mixed_policy"}
+    return data
+
+
+def test_finish_old_pauses_and_resumes_to_the_pinned_runs_data(
+        lag1_runs: tuple[Path, Path], tiny_agent_dir: Path, tmp_path: Path) -> None:
+    """Episodes paused at the boundary and resumed under their own version: the same data and
+    weights as the lag-1 run that never paused."""
+    turns, _ = lag1_runs
+    _train(_partial(tiny_agent_dir, "synchronous", "finish_old"), tmp_path / "run")
+    notes = _in_flight(tmp_path / "run")
+    assert notes and sum(n["paused"] for n in notes) > 0
+    assert _actions(tmp_path / "run") == _actions(turns)
+    a, b = load_latest(turns / "checkpoints"), load_latest(tmp_path / "run" / "checkpoints")
+    assert a is not None and b is not None
+    assert all(torch.equal(v, b.model_state[k]) for k, v in a.model_state.items())
+    resumed = [t for step in range(STEPS) for ep in load_episodes(
+        tmp_path / "run" / "traces" / f"step-{step:04d}.jsonl")[1] for t in ep.turns
+        if t.context_segment_id == 1]
+    assert resumed and all(t.behavior_policy_version == resumed[0].behavior_policy_version
+                           or t.turn > 0 for t in resumed)
+
+
+def test_mixed_policy_continuations_are_labelled_admitted_and_bounded(
+        tiny_agent_dir: Path, tmp_path: Path) -> None:
+    _train(_partial(tiny_agent_dir, "async", "mixed_policy"), tmp_path / "run")
+    notes = _in_flight(tmp_path / "run")
+    assert sum(n["mixed_episodes"] for n in notes) > 0
+    mixed = [ep for step in range(STEPS) for ep in load_episodes(
+        tmp_path / "run" / "traces" / f"step-{step:04d}.jsonl")[1] if ep.trajectory.mixed_policy]
+    assert mixed
+    for ep in mixed:
+        versions = [t.behavior_policy_version for t in ep.turns]
+        assert versions[0] == ep.trajectory.behavior_policy_version and len(set(versions)) == 2
+        assert ep.turns[1].continuation_parent == f"{ep.trajectory.episode_id}#0"
+    steps = _rl_steps(tmp_path / "run")
+    assert any(len(m["policies"]["behavior_tokens_by_version"]) == 2 for m in steps
+               if m["metrics"]), "no update trained on a continued episode"
+    run = load_run(tmp_path / "run")
+    assert gate_max_version_lag(run, GateOptions()).passed
+    from closedloop.evaluate.gates.traces import gate_one_behavior_version
+
+    strict = gate_one_behavior_version(run, GateOptions())  # outside the strict baseline
+    assert strict.passed is False and strict.evidence["mixed_episodes"] >= len(mixed)
+
+
+def test_abort_and_restart_plays_whole_groups_again_under_the_new_version(
+        tiny_agent_dir: Path, tmp_path: Path) -> None:
+    _train(_partial(tiny_agent_dir, "async", "abort_and_restart"), tmp_path / "run")
+    notes = _in_flight(tmp_path / "run")
+    restarted = [n for n in notes if n["aborted_groups"]]
+    assert restarted and all(n["aborted_turns"] > 0 for n in restarted)
+    for step, note in zip(range(STEPS), notes, strict=True):
+        leases, episodes = load_episodes(tmp_path / "run" / "traces" / f"step-{step:04d}.jsonl")
+        lease_v = {g.group_id: g.behavior_policy_version for g in leases}
+        for ep in episodes:
+            assert not ep.trajectory.mixed_policy
+            assert {t.behavior_policy_version for t in ep.turns} <= {
+                lease_v[ep.trajectory.group_id]}
+            if note["boundary_version"] != note["version"]:  # paused ones were replayed whole
+                assert all(t.context_segment_id == 0 for t in ep.turns)
+    later = [n for n in notes if n["aborted_groups"] and n["boundary_version"] != n["version"]]
+    assert later, notes

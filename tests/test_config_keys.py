@@ -105,3 +105,18 @@ def test_freshness_and_placement_are_valid_with_an_explicit_off_policy_correctio
         parse_config(seed_with("rollout.max_sample_drift", 0.0))
     assert parse_config(seed_with("rollout.max_sample_drift", 0.05)).rollout.max_sample_drift \
         == 0.05
+
+
+def test_an_in_flight_policy_needs_a_boundary_a_lag_and_its_label() -> None:
+    ok = dict(rollout__max_version_lag=1, update__objective="ppo_clip",
+              rollout__partial_rollout_turns=2)
+    with pytest.raises(ConfigError, match=r"rollout\.in_flight_policy"):
+        parse_config(seed_with("rollout.in_flight_policy", "abort_and_restart",
+                               update__objective="ppo_clip", rollout__max_version_lag=1))
+    assert parse_config(seed_with("rollout.in_flight_policy", "abort_and_restart", **ok)
+                        ).rollout.in_flight_policy == "abort_and_restart"
+    with pytest.raises(ConfigError, match=r"rollout\.pin_policy_for_full_episode"):
+        parse_config(seed_with("rollout.in_flight_policy", "mixed_policy", **ok))
+    cfg = parse_config(seed_with("rollout.in_flight_policy", "mixed_policy",
+                                 rollout__pin_policy_for_full_episode=False, **ok))
+    assert not cfg.rollout.pin_policy_for_full_episode

@@ -144,7 +144,8 @@ def assemble_episodes(records: Iterable[TraceRecord]) -> tuple[list[GroupLease],
 
     Raises ``TraceFormatError`` (line 0 = whole-trace check) for a turn without a trajectory, a
     gap in turn numbers, a ``context_len_before`` that does not match the threaded ids, or a
-    turn whose behaviour version or manifest differs from its trajectory's.
+    turn whose behaviour version or manifest differs from its trajectory's (unless the
+    trajectory is labelled ``mixed_policy``: a continuation under another version).
     """
     leases: list[GroupLease] = []
     turns: dict[str, list[TurnRecord]] = {}
@@ -176,6 +177,8 @@ def _assemble_one(traj: TrajectoryRecord, turns: list[TurnRecord]) -> Episode:
                                    f"{where} turn {t.turn}: threaded context has {length} "
                                    f"tokens, record says {t.context_len_before}")
         length += len(t.action_token_ids)
+        if traj.mixed_policy:
+            continue  # a labelled mixed-policy episode: each turn names its own version
         if t.behavior_policy_version != traj.behavior_policy_version:
             raise TraceFormatError(0, "behavior_policy_version",
                                    f"{where} turn {t.turn}: mixed behaviour versions")

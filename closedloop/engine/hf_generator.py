@@ -211,6 +211,23 @@ class HFGenerator:
         """Return a copy of the session's whole context ids."""
         return list(self._session(session).ids)
 
+    def stream_state(self, session: SessionId) -> torch.Tensor | None:
+        """The state of the session's own sampling stream (``None``: it samples from the
+        batch's shared generator)."""
+        rng = self._session(session).rng
+        return None if rng is None else rng.get_state()
+
+    def set_stream_state(self, session: SessionId, state: torch.Tensor | None) -> None:
+        """Give the session its own sampling stream, continuing from ``state`` (what
+        ``stream_state`` returned for a paused session); ``None`` leaves it on the shared
+        generator. With the exact context ids and this state, a resumed session samples what
+        the paused one would have."""
+        if state is None:
+            return
+        rng = torch.Generator()
+        rng.set_state(state)
+        self._session(session).rng = rng
+
     def remaining(self, session: SessionId) -> int:
         """Return how many more ids fit in the session's context window."""
         return self.max_context - len(self._session(session).ids)

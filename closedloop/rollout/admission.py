@@ -224,12 +224,15 @@ class AdmissionController:
     tokens, D_sample in docs/concepts.md, staleness admission) and rejects groups above it.
     censor_rule: ``discard_group`` (default) or ``drop_censored``; min_uncensored applies to
     the latter. strict: raise the named errors instead of returning a rejection.
+    allow_mixed_policy: admit members labelled ``mixed_policy`` (episodes continued under a
+    newer version, ``rollout.in_flight_policy: mixed_policy``; each turn names its version and
+    the lag counts from the episode's first); every member must still start on the lease's.
     """
 
     def __init__(self, max_version_lag: int = 0, require_one_behavior_version: bool = True,
                  drift_tol: float | None = None, *, censor_rule: CensorRule = "discard_group",
                  min_uncensored: int = 2, strict: bool = False,
-                 stats: AdmissionStats | None = None) -> None:
+                 stats: AdmissionStats | None = None, allow_mixed_policy: bool = False) -> None:
         if isinstance(max_version_lag, bool) or not isinstance(max_version_lag, int) \
                 or max_version_lag < 0:
             raise ConfigError("rollout.max_version_lag", "must be an int >= 0")
@@ -246,6 +249,7 @@ class AdmissionController:
         self.min_uncensored = min_uncensored
         self.strict = strict
         self.stats = stats if stats is not None else AdmissionStats()
+        self.allow_mixed_policy = allow_mixed_policy
 
     def admit(self, group: Sequence[TrajectoryRecord], lease: GroupLease,
               train_version_index: int, *, drift: float | None = None) -> AdmissionDecision:
@@ -312,7 +316,7 @@ class AdmissionController:
             return "mixed_policy_group", (f"members sampled by {versions}, lease says "
                                           f"{lease.behavior_policy_version}")
         mixed = [t.episode_id for t in group if t.mixed_policy]
-        if mixed:
+        if mixed and not self.allow_mixed_policy:
             return "mixed_policy_group", f"mixed-policy episodes {mixed}"
         return None
 

@@ -55,6 +55,7 @@ from closedloop.errors import (
     InfrastructureError,
     SnapshotMismatchError,
 )
+from closedloop.rollout.segments import PausedEpisode, Segment, SegmentStore
 from closedloop.rollout.source import ActionSample, ActionSource
 from closedloop.rollout.verifier_step import CollectedGroup, Rollout, RolloutGroup, VerifierStep
 
@@ -119,6 +120,10 @@ class _Live:
     turns: list[TurnRecord] = field(default_factory=list)
     termination: Termination | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    manifest: PolicyManifest | None = None  # the lease's (the episode's first version)
+    segment: int = 0  # context_segment_id of the turns played now
+    parent_segment: str | None = None  # the segment this one continues
+    segment_start: int = 0  # the first turn of the current segment
 
 
 def _safe_hash(env: AgentEnv) -> str:
@@ -179,8 +184,16 @@ class Collector:
                 progress: Callable[[int], None] | None = None) -> list[RolloutGroup]:
         """Run every sibling of every lease to the end; return complete, unscored groups in
         lease order (the verifier step scores them)."""
+        return self.assemble(leases, self.rollout_segment(leases, progress))
+
+    def rollout_segment(self, leases: Sequence[GroupLease],
+                        progress: Callable[[int], None] | None = None, *,
+                        turn_budget: int | None = None, store: SegmentStore | None = None
+                        ) -> dict[str, Rollout]:
+        """Start every sibling of every lease and play at most ``turn_budget`` turns (all:
+        ``None``); the episodes that ended, by episode id. One still running after the budget
+        is paused into ``store`` (a partial rollout: ``closedloop.rollout.segments``)."""
         self._check_leases(leases)
-        started = time.perf_counter()
         live: list[_Live] = []
         finished: dict[str, Rollout] = {}
         for lease in leases:
@@ -192,12 +205,48 @@ class Collector:
                     live.append(ep)
                 else:
                     finished[ep.key] = self._finish(ep)
+        self._drive(live, finished, progress, turn_budget, store)
+        return finished
+
+    def resume(self, paused: Sequence[PausedEpisode],
+               progress: Callable[[int], None] | None = None, *,
+               turn_budget: int | None = None, store: SegmentStore | None = None
+               ) -> dict[str, Rollout]:
+        """Continue paused episodes under this collector's manifest: each environment is
+        restored to its segment's snapshot, a new generator session prefills the exact context
+        ids (no KV cache carried over) and continues the sampling stream. A manifest other
+        than the episode's first makes it a labelled mixed-policy episode (each turn records
+        the version that sampled it)."""
+        live = [self._revive(p) for p in paused]
+        finished: dict[str, Rollout] = {}
+        self._drive(live, finished, progress, turn_budget, store)
+        return finished
+
+    def assemble(self, leases: Sequence[GroupLease], finished: dict[str, Rollout]
+                 ) -> list[RolloutGroup]:
+        """The complete groups of ``leases`` from finished rollouts, in lease order."""
+        return [RolloutGroup(lease, tuple(finished[f"{lease.group_id}/{i}"]
+                                          for i in range(lease.group_size)))
+                for lease in leases]
+
+    def _drive(self, live: list[_Live], finished: dict[str, Rollout],
+               progress: Callable[[int], None] | None, turn_budget: int | None,
+               store: SegmentStore | None) -> None:
+        started = time.perf_counter()
+        turns = 0
         while live:
+            if turn_budget is not None and turns >= turn_budget:
+                if store is None:
+                    raise ContractError("a turn budget needs a segment store to pause into")
+                for ep in live:
+                    store.pause(self._pause(ep))
+                return
             if self._past_deadline(started):
                 for ep in live:
                     ep.termination = Termination.SCHEDULER_CANCEL
             else:
                 self._step_all(live)
+            turns += 1
             still = []
             for ep in live:
                 if ep.termination is None:
@@ -207,9 +256,37 @@ class Collector:
                     if progress is not None:
                         progress(1)
             live = still
-        return [RolloutGroup(lease, tuple(finished[f"{lease.group_id}/{i}"]
-                                          for i in range(lease.group_size)))
-                for lease in leases]
+
+    def _pause(self, ep: _Live) -> PausedEpisode:
+        """A live episode as a segment: snapshot, exact context, sampling stream state."""
+        suspend = getattr(self.source, "suspend", None)
+        if suspend is None:
+            raise ContractError(f"{type(self.source).__name__} cannot pause an episode")
+        snapshot = ep.env.snapshot(f"pause-{len(ep.turns)}")
+        context, stream_state, remaining = suspend(ep.key)
+        played = ep.turns[ep.segment_start:]
+        segment = Segment(
+            segment_id=f"{ep.key}#{ep.segment}", episode_id=ep.key,
+            continuation_parent=ep.parent_segment, snapshot_id=snapshot.snapshot_id,
+            context_token_ids=tuple(context), memory_state_ref=None,
+            behavior_policy_version=self.manifest.policy_version,
+            behavior_logprobs=tuple(x for t in played for x in t.behavior_logprobs),
+            sampler_config=self.manifest.sampler,
+            remaining_step_budget=self.config.max_turns - len(ep.turns),
+            remaining_token_budget=remaining)
+        return PausedEpisode(segment, snapshot, stream_state, ep)
+
+    def _revive(self, paused: PausedEpisode) -> _Live:
+        reopen = getattr(self.source, "reopen", None)
+        if reopen is None:
+            raise ContractError(f"{type(self.source).__name__} cannot resume an episode")
+        ep: _Live = paused.live
+        ep.env.restore(paused.snapshot)  # checks the state and RNG hashes
+        reopen(ep.key, list(paused.segment.context_token_ids), paused.stream_state)
+        ep.segment += 1
+        ep.parent_segment = paused.segment.segment_id
+        ep.segment_start = len(ep.turns)
+        return ep
 
     def _check_leases(self, leases: Sequence[GroupLease]) -> None:
         manifest_hash = self.manifest.manifest_hash()
@@ -228,7 +305,7 @@ class Collector:
         family, split = self.task_info(lease.task_id)
         key = f"{lease.group_id}/{index}"
         env = self.env_factory()
-        ep = _Live(key, lease, index, env, family, split, _now(), [])
+        ep = _Live(key, lease, index, env, family, split, _now(), [], manifest=self.manifest)
         try:
             observation = env.reset(lease.task_id, lease.seed)
             base = env.snapshot("base")
@@ -326,7 +403,8 @@ class Collector:
             base_snapshot_id=lease.base_snapshot_id,
             behavior_policy_version=m.policy_version, policy_manifest_hash=m.manifest_hash(),
             behavior_weight_checksum=m.weight_checksum, generator_build=self.source.build,
-            turn=turn, snapshot_before=None, state_before=state_before, context_segment_id=0,
+            turn=turn, snapshot_before=None, state_before=state_before,
+            context_segment_id=ep.segment,
             memory_state_ref=None, compactor_version=m.compactor_version,
             prompt_token_ids=list(prompt), prompt_is_delta=turn > 0,
             context_len_before=ep.context_len, action_token_ids=list(sample.token_ids),
@@ -336,7 +414,9 @@ class Collector:
             generation_finish=sample.finish, tool_name=tool_name, tool_args=tool_args,
             observation=observation, observation_error=error,
             state_after=_safe_hash(ep.env), reward_components=None,
-            termination_reason=termination, continuation_parent=None, timings=timings)
+            termination_reason=termination,
+            continuation_parent=ep.parent_segment if turn == ep.segment_start else None,
+            timings=timings)
         if self.writer is not None:
             self.writer.write(record)
         timings["bookkeeping_s"] = time.perf_counter() - t0
@@ -349,12 +429,14 @@ class Collector:
         termination = ep.termination or Termination.INFRA_ABORT
         final_hash = _safe_hash(ep.env) if ep.turns or termination.is_terminal else ""
         final_state = ep.env.export_state() if termination.is_terminal else None
+        first = ep.manifest or self.manifest
+        mixed = any(t.behavior_policy_version != first.policy_version for t in ep.turns)
         return Rollout(
             run_id=self.run_id, episode_id=ep.key, lease=ep.lease, sample_index=ep.sample_index,
             task_family=ep.family, split=ep.split, env_version=ep.env.env_version,
-            manifest=self.manifest, turns=tuple(ep.turns), termination=termination,
+            manifest=first, turns=tuple(ep.turns), termination=termination,
             final_state=final_state, final_state_hash=final_hash, started_at=ep.started_at,
-            finished_at=_now(), timings=dict(ep.timings))
+            finished_at=_now(), timings=dict(ep.timings), mixed_policy=mixed)
 
 
 def _parse(text: str) -> tuple[ActionKindOrInvalid, str | None, dict[str, Any] | None,

@@ -70,6 +70,7 @@ class QueuedRound:
     groups: tuple[CollectedGroup, ...]
     queued_at: float
     seconds: dict[str, float] = field(default_factory=dict)
+    in_flight: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -251,6 +252,8 @@ class AdmissionQueue:
                   "max_delta_version": max((r["delta_version"] for r in rows
                                             if r["delta_version"] is not None), default=None),
                   "capacity_groups": self.capacity(u), "rates": stats.to_dict()}
+        if queued.in_flight is not None:
+            report["in_flight"] = queued.in_flight
         timing = {"queue_age_s": ages, "delta_time_s": lags_t, "trainer_wait_s": waited,
                   "high_water_groups": self.high_water, "accepted_groups": self.accepted,
                   "running_groups": self.running, "waiting_groups": self.waiting_groups(),

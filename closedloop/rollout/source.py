@@ -132,6 +132,22 @@ class BatchGenerator(Protocol):
         """Free a session."""
         ...
 
+    def context(self, session: Any) -> list[int]:
+        """The session's whole context ids."""
+        ...
+
+    def remaining(self, session: Any) -> int:
+        """Ids that still fit in the session's context window."""
+        ...
+
+    def stream_state(self, session: Any) -> Any:
+        """The state of the session's own sampling stream (``None`` without one)."""
+        ...
+
+    def set_stream_state(self, session: Any, state: Any) -> None:
+        """Continue the session's sampling from a state ``stream_state`` returned."""
+        ...
+
 
 class GeneratorSource:
     """Samples actions from a language model through a batched generator."""
@@ -144,6 +160,7 @@ class GeneratorSource:
         self._sampler = sampler
         self._max_new = max_new_tokens
         self._sessions: dict[str, Any] = {}
+        self._suspended: dict[str, Any] = {}
 
     def open(self, key: str, task_id: str, prompt_ids: list[int], observation: str,
              stream: int | None = None) -> None:
@@ -171,7 +188,34 @@ class GeneratorSource:
         return out
 
     def close(self, key: str) -> None:
-        """Close the session (frees its KV cache)."""
-        session = self._sessions.pop(key, None)
+        """Close the session, live or kept aside by ``suspend`` (frees its KV cache)."""
+        session = self._sessions.pop(key, None) or self._suspended.pop(key, None)
         if session is not None:
             self._gen.close(session)
+
+    def suspend(self, key: str) -> tuple[list[int], Any, int]:
+        """Pause an episode: its exact context ids, its sampling stream's state and the ids
+        left in the context window. The session is kept aside: resumed by this source under
+        the same weights, it continues with its KV cache (which ``refresh_weights`` drops
+        on any weight change)."""
+        session = self._sessions.pop(key)
+        self._suspended[key] = session
+        return (self._gen.context(session), self._gen.stream_state(session),
+                self._gen.remaining(session))
+
+    def reopen(self, key: str, context_ids: list[int], stream_state: Any) -> None:
+        """Resume a paused episode on its exact context ids: the kept-aside session when this
+        source paused it and it holds those ids (its cache, if any survived, was computed by
+        the weights held now), else a new session that prefills them under the weights held
+        now, its sampling stream continued from ``stream_state``. A prefill rounds otherwise
+        than a cached step, so a resume from the record alone can part from the
+        uninterrupted episode at a near-tie token."""
+        kept = self._suspended.pop(key, None)
+        if kept is not None and self._gen.context(kept) == list(context_ids):
+            self._sessions[key] = kept
+            return
+        if kept is not None:
+            self._gen.close(kept)
+        session = self._gen.open_session(list(context_ids))
+        self._gen.set_stream_state(session, stream_state)
+        self._sessions[key] = session

@@ -91,7 +91,6 @@ def _run_async(run: Run, on_step: OnStep | None) -> list[StepReport]:
         for step in range(state.step, cfg.training.rl_steps):
             with phase(f"rl step {step} (the generator ahead)"):
                 reports.append(train_step(run, run.queue, step, publish_inline=False))
-            run.queue.publish(step + 1)
             if on_step is not None:
                 on_step(reports[-1])
     except BaseException as exc:
@@ -161,7 +160,8 @@ class GeneratorThread(threading.Thread):
         self.busy_s += t2 - t1
         queue.put(QueuedRound(queued.round, queued.behavior_version, queued.groups,
                               queued.queued_at, {"generator_wait_s": t1 - t0,
-                                                 "generator_busy_s": t2 - t1}))
+                                                 "generator_busy_s": t2 - t1},
+                              queued.in_flight))
         log(f"generator: round {r} ({order.behavior_version}) queued")
 
     def raise_if_failed(self) -> None:

@@ -43,7 +43,8 @@ from closedloop.rollout.admission import AdmissionController
 from closedloop.rollout.queues import AdmissionQueue, QueuedRound
 from closedloop.rollout.verifier_step import CollectedGroup
 from closedloop.rollout.work_orders import GroupSpec, WorkOrder, scheduled_version_index
-from closedloop.training.collection import collect_with_worker
+from closedloop.training.collection import collect_with_worker, commit_trace
+from closedloop.training.in_flight import in_flight_notes, roll_with_boundary
 from closedloop.training.resume import commit_step
 from closedloop.training.run import Run
 
@@ -103,6 +104,15 @@ def collect_round(run: Run, order: WorkOrder) -> list[CollectedGroup]:
     if path.is_file():
         return reload_round(run, order.round)
     run.roles()[1].rng.manual_seed(int(content_hash(["step", order.round])[7:15], 16))
+    if run.cfg.rollout.partial_rollout_turns is not None:
+        queue, timeout = run.queue, run.cfg.rollout.queue_timeout_s
+
+        def wait_for(version: str) -> None:
+            queue.wait_until(lambda: queue.published_index >= version_index(version), timeout,
+                             f"{version}, the version at round {order.round}'s boundary")
+
+        return commit_trace(run, path, order.episodes, f"step {order.round} collect",
+                            roll_with_boundary(run, order, wait_for))
     manifest = run.registry.manifest(order.behavior_version)
     return collect_with_worker(run, manifest, path, order.groups,
                                f"step {order.round} collect")
@@ -126,7 +136,8 @@ def produce_round(run: Run, order: WorkOrder) -> QueuedRound:
     over, stamped with the time its trace was committed."""
     groups = collect_round(run, order)
     committed = run.ctx.directory.trace(f"step-{order.round:04d}").stat().st_mtime
-    return QueuedRound(order.round, order.behavior_version, tuple(groups), committed)
+    return QueuedRound(order.round, order.behavior_version, tuple(groups), committed,
+                       in_flight=in_flight_notes(run, order.round))
 
 
 # ----------------------------------------------------------------------------- trainer side
@@ -257,7 +268,7 @@ def train_step(run: Run, queue: AdmissionQueue, step: int, *, publish_inline: bo
         run.state.orders[nxt] = draw_order(run, nxt)
     output = version_name(step + 1)
     commit_step(run, step, taken.admitted, output, publish_inline=publish_inline)
-    queue.notify()
+    queue.publish(step + 1)
     times["publish_s"] = time.perf_counter() - t3
     scores = [ep.trajectory.task_success for g in taken.groups for ep in g.episodes
               if ep.trajectory.task_success is not None]

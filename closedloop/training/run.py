@@ -199,9 +199,10 @@ def open_run(cfg: RunConfig, run_dir: str | Path, config_override: str | None = 
     sampler = DifficultyBandSampler(tasks.train, [package.task_info(t).family
                                                   for t in tasks.train],
                                     seed=cfg.training.seed)
-    controller = AdmissionController(cfg.rollout.max_version_lag,
-                                     drift_tol=cfg.rollout.max_sample_drift,
-                                     censor_rule=cfg.credit.censor_rule)
+    controller = AdmissionController(
+        cfg.rollout.max_version_lag, drift_tol=cfg.rollout.max_sample_drift,
+        censor_rule=cfg.credit.censor_rule,
+        allow_mixed_policy=cfg.rollout.in_flight_policy == "mixed_policy")
     queue = AdmissionQueue(controller, ctx.ledger, groups_per_round=cfg.training.groups_per_step,
                            max_version_lag=cfg.rollout.max_version_lag)
     return Run(ctx, policy, LoopState(sampler), queue)

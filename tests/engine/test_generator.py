@@ -314,3 +314,39 @@ def test_a_batch_cannot_mix_streamed_and_shared_sessions(tiny_model, tokenizer, 
     twin = gen.fork(streamed)  # a fork continues the same stream
     a, b = gen.generate_batch([streamed, twin], NUCLEUS, max_new_tokens=6)
     assert a.action_token_ids == b.action_token_ids
+
+
+# ---------------------------------------------------------------- weights change under a session
+def test_a_kv_cache_from_old_weights_is_never_reused_under_new_ones(tokenizer, renderer):
+    """After ``refresh_weights`` a session prefills its whole context under the new weights:
+    it samples exactly what a fresh session on the same ids and stream does, and not what the
+    keys and values computed under the old weights would have made it sample."""
+    from closedloop.policy import attach_lora, build_tiny_model
+
+    model = attach_lora(build_tiny_model(tokenizer, seed=0), r=4, alpha=8, seed=1,
+                        target_modules=("q_proj", "k_proj", "v_proj"))
+    gen = HFGenerator(model, tokenizer)
+    sid = gen.open_session(renderer.render_prompt("Repair a.json"), stream=3)
+    gen.generate_batch([sid], NUCLEUS, max_new_tokens=4)
+    gen.extend(sid, renderer.render_observation("obs"))
+    old = gen._sessions[sid]
+    stale_kv, stale_cached = old.kv, old.n_cached
+    assert stale_kv is not None and stale_cached > 0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.add_(0.5)
+    gen.refresh_weights()
+    assert gen._sessions[sid].kv is None and gen._sessions[sid].n_cached == 0
+    state, context = gen.stream_state(sid), gen.context(sid)
+
+    def twin(kv=None, cached=0):
+        s = gen.open_session(context)
+        gen.set_stream_state(s, state)
+        gen._sessions[s].kv, gen._sessions[s].n_cached = kv, cached
+        return gen.generate_batch([s], NUCLEUS, max_new_tokens=6)[0]
+
+    after = gen.generate_batch([sid], NUCLEUS, max_new_tokens=6)[0]
+    assert after == twin()
+    stale = twin(stale_kv, stale_cached)  # what reusing the old keys and values would sample
+    assert stale.behavior_logprobs != after.behavior_logprobs

@@ -138,6 +138,12 @@ class WeightSyncSection:
     publish: Literal["atomic_at_episode_boundary"] = "atomic_at_episode_boundary"
     require_all_worker_checksums: bool = True
     kv_cache_on_update: Literal["invalidate"] = "invalidate"
+    # Generator replica processes that prove every publication (each rebuilds the policy,
+    # loads a staged version into a shadow slot, hashes it, serves the probe) besides the
+    # in-process worker; the version becomes active only once all of them have.
+    replicas: int = 0
+    # The longest a replica may take to start or to answer (ReplicaError past it).
+    ack_timeout_s: float = 300.0
 
 
 @dataclass(frozen=True)
@@ -310,6 +316,10 @@ def _check_freshness(cfg: RunConfig, uses_ratio: bool) -> None:
         raise ConfigError("rollout.queue_timeout_s", "must be > 0")
     if not u.behavior_weight_cap >= 1:
         raise ConfigError("update.behavior_weight_cap", "must be >= 1")
+    if cfg.weight_sync.replicas < 0:
+        raise ConfigError("weight_sync.replicas", "must be >= 0")
+    if not cfg.weight_sync.ack_timeout_s > 0:
+        raise ConfigError("weight_sync.ack_timeout_s", "must be > 0")
     if r.partial_rollout_turns is not None and r.partial_rollout_turns < 1:
         raise ConfigError("rollout.partial_rollout_turns", "must be >= 1 (or null)")
     if r.in_flight_policy != "finish_old" and (r.partial_rollout_turns is None

@@ -321,6 +321,11 @@ class MissingAckError(RegistryError):
     """A worker has not acknowledged loading the version."""
 
 
+class ReplicaError(RegistryError):
+    """A generator replica process died, failed a request or did not answer within its
+    deadline (it is quarantined; the active version stays)."""
+
+
 class PublicationError(RegistryError):
     """A version could not be made active: a worker does not hold what the manifest says (it
     is quarantined) or did not acknowledge in time; the active version stays."""

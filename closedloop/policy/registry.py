@@ -5,8 +5,11 @@ Layout under ``root``::
     versions/v0003/weights.safetensors   (or adapter.safetensors for a LoRA adapter)
     versions/v0003/manifest.json         PolicyManifest.to_dict()
     versions/v0003/checksum              state_dict_checksum of the stored tensors
+    versions/v0003/digests.json          the checksum of each stored tensor (tensor_digests)
     staging/                             temporary directories, renamed into versions/
-    acks/v0003/<worker_id>.json          what each generator worker loaded
+    acks/v0003/<worker_id>.json          what each generator worker holds: its own hash of its
+                                         weights, the digest of its per-tensor hashes, its
+                                         probe (ids and log-probs) and its load latency
     ACTIVE                               {"version", "checksum", "manifest_hash", ...}
     publish_log.jsonl                    one line per publication
 
@@ -54,7 +57,7 @@ from closedloop.errors import (
     RegistryError,
     UnknownVersionError,
 )
-from closedloop.policy.weights import combine_checksums, state_dict_checksum
+from closedloop.policy.weights import combine_checksums, state_dict_checksum, tensor_digests
 
 __all__ = [
     "ChecksumMismatchError",
@@ -174,12 +177,22 @@ class PolicyLease:
 
 @dataclass(frozen=True)
 class WorkerAck:
-    """A worker's report of the checksum of the weights it loaded for ``version``."""
+    """A worker's report on the weights it holds for ``version``: ``checksum_loaded`` is the
+    worker's own hash of its weights (never a checksum it was handed); ``digests_hash`` the
+    content hash of its per-tensor checksums; ``probe_ids``/``probe_logprobs`` what it sampled
+    on the fixed probe; ``load_s`` how long loading and proving took;
+    ``probe_max_abs_delta`` the largest gap between its probe log-probs and the trainer's
+    scoring of the same ids at that version."""
 
     worker_id: str
     version: str
     checksum_loaded: str
     at: float
+    digests_hash: str | None = None
+    probe_ids: tuple[int, ...] | None = None
+    probe_logprobs: tuple[float, ...] | None = None
+    load_s: float | None = None
+    probe_max_abs_delta: float | None = None
 
 
 # ----------------------------------------------------------------------------- registry
@@ -253,6 +266,8 @@ class PolicyRegistry:
                 write_durably(tmp / _FILES[kind], payload)
                 write_durably(tmp / "manifest.json", canonical_json(manifest.to_dict()).encode())
                 write_durably(tmp / "checksum", checksum.encode())
+                write_durably(tmp / "digests.json", canonical_json(
+                    tensor_digests(load_safetensors(payload))).encode())
                 _verify_folder(tmp, checksum)
                 fsync_dir(tmp)
                 os.rename(tmp, final)
@@ -263,19 +278,35 @@ class PolicyRegistry:
         return StagedVersion(version, checksum, manifest, final)
 
     def verify(self, version: str) -> str:
-        """Re-read a version's tensors and check them against its ``checksum`` file and manifest.
+        """Re-read a version's tensors and check them against its ``checksum`` file, its
+        per-tensor ``digests.json`` and its manifest.
 
         Returns the tensor checksum; raises ``ChecksumMismatchError``.
         """
         folder = self.path(version)
         recorded = _recorded_checksum(folder)
-        _verify_folder(folder, recorded)
+        tensors = _verify_folder(folder, recorded)
+        if (folder / "digests.json").is_file() and \
+                self.tensor_digests(version) != tensor_digests(tensors):
+            raise ChecksumMismatchError(f"{version}: digests.json does not match its tensors")
         manifest = self.manifest(version)
         kind = _kind_of(folder)
         declared = manifest.weight_checksum if kind == "full" else manifest.adapter_checksum
         if declared != recorded or manifest.policy_version != folder.name:
             raise ChecksumMismatchError(f"{version}: manifest does not match its weights")
         return recorded
+
+    def tensor_digests(self, version: str) -> dict[str, str]:
+        """The per-tensor checksums staged with ``version`` (``digests.json``); a version
+        staged before they were kept gets them computed from its verified tensors."""
+        folder = self.path(version)
+        path = folder / "digests.json"
+        if not path.is_file():
+            return tensor_digests(self.load_state_dict(version))
+        data = _read_json(path)
+        if not isinstance(data, dict):
+            raise ChecksumMismatchError(f"{path}: not a map of tensor checksums")
+        return {str(k): str(v) for k, v in data.items()}
 
     def load_state_dict(self, version: str) -> dict[str, torch.Tensor]:
         """Load a version's tensors, verifying their checksum (``ChecksumMismatchError``)."""
@@ -357,12 +388,14 @@ class PolicyRegistry:
         with self._lock:
             return tuple(self._open[k] for k in sorted(self._open))
 
-    def ack(self, worker_id: str, version: str, checksum_loaded: str) -> WorkerAck:
-        """Record that ``worker_id`` loaded ``version`` and computed ``checksum_loaded``."""
+    def ack(self, worker_id: str, version: str, checksum_loaded: str,
+            **proof: Any) -> WorkerAck:
+        """Record that ``worker_id`` holds ``version`` with its own hash ``checksum_loaded``
+        (``proof``: the other ``WorkerAck`` fields, e.g. its probe)."""
         if not isinstance(worker_id, str) or not _WORKER_RE.match(worker_id):
             raise RegistryError(f"worker id {worker_id!r} must match {_WORKER_RE.pattern}")
         self.path(version)
-        ack = WorkerAck(worker_id, version, checksum_loaded, time.time())
+        ack = WorkerAck(worker_id, version, checksum_loaded, time.time(), **proof)
         folder = self.root / "acks" / version
         folder.mkdir(exist_ok=True)
         atomic_write_bytes(folder / f"{worker_id}.json",
@@ -383,6 +416,9 @@ class PolicyRegistry:
                 data = json.loads((self.root / "acks" / version / f"{worker}.json").read_text())
             except FileNotFoundError:
                 raise MissingAckError(f"worker {worker!r} has not acked {version}") from None
+            for key in ("probe_ids", "probe_logprobs"):
+                if data.get(key) is not None:
+                    data[key] = tuple(data[key])
             acks[worker] = WorkerAck(**data)
         bad = sorted(w for w, a in acks.items() if a.checksum_loaded != expected)
         if bad:

@@ -62,3 +62,9 @@ def combine_checksums(base: str, adapter: str | None) -> str:
     if adapter is None:
         return base
     return sha256_hex(f"closedloop-policy-v1\0{base}\0{adapter}")
+
+
+def tensor_digests(state: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """Per-tensor checksums, ``name -> checksum_tensors([(name, tensor)])``: what a replica
+    compares tensor by tensor, so a mismatch names the tensor that differs."""
+    return {name: checksum_tensors([(name, t)]) for name, t in sorted(state.items())}

@@ -68,13 +68,13 @@ def roll_with_boundary(run: Run, order: WorkOrder, wait_for: Callable[[str], Non
     """The generator's roll of a round with a boundary (module doc), for
     ``closedloop.training.collection.commit_trace``. ``wait_for(version)`` returns once the
     version is staged (under async the trainer may still be producing it)."""
+    from closedloop.training.run import prove_and_acknowledge
+
     cfg = run.cfg.rollout
-    _, worker, publisher = run.roles()
+    worker = run.roles()[1]
 
     def collector(manifest: PolicyManifest) -> Any:
-        worker.load(manifest.policy_version)
-        publisher.acknowledge(worker.worker_id, manifest.policy_version,
-                              worker.held_checksum())
+        prove_and_acknowledge(run, manifest.policy_version)
         p = worker.parts
         return make_collector(worker.source(manifest), manifest, CollectorParts(
             p.renderer, None, p.run_id, None, p.max_turns, p.package,

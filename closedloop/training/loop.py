@@ -29,6 +29,7 @@ from closedloop.evaluate.retain import retain_delta
 from closedloop.policy.registry import version_name
 from closedloop.progress import log
 from closedloop.training.pipeline import run_rl
+from closedloop.training.publisher import publication_latency
 from closedloop.training.resume import resume
 from closedloop.training.rl_step import StepReport
 from closedloop.training.run import Run, attach_roles, open_run, publish, write_summary
@@ -142,6 +143,8 @@ def train(cfg: RunConfig, run_dir: str | Path, config_override: str | None = Non
             retain_final = evaluate_retain(run, "final", run.registry.manifest(final_version))
             retain = retain_delta(retain_start, retain_final, seed=cfg.training.seed).to_dict()
             run.log_metrics("retain", retain)
+        run.log_metrics("weight_sync", {"label": "publication", "workers": list(
+            run.roles()[2].worker_ids), "timing": publication_latency(run.registry)})
         summary = summarize_run(run, start, final, steps)
         summary["retain_delta"] = retain
         path = write_summary(run, summary)

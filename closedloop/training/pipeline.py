@@ -43,7 +43,7 @@ from closedloop.training.rl_step import (
     rl_step,
     train_step,
 )
-from closedloop.training.run import Run
+from closedloop.training.run import Run, prove_and_acknowledge
 
 __all__ = ["GeneratorThread", "run_rl"]
 
@@ -81,7 +81,6 @@ def run_rl(run: Run, on_step: OnStep | None = None) -> list[StepReport]:
 
 def _run_async(run: Run, on_step: OnStep | None) -> list[StepReport]:
     cfg, state = run.cfg, run.state
-    _, worker, publisher = run.roles()
     ensure_orders(run)
     generator = GeneratorThread(run, state.step, cfg.training.rl_steps - 1)
     reports: list[StepReport] = []
@@ -101,9 +100,8 @@ def _run_async(run: Run, on_step: OnStep | None) -> list[StepReport]:
         raise
     generator.join(cfg.rollout.queue_timeout_s)
     generator.raise_if_failed()
-    final = version_name(cfg.training.rl_steps)
-    worker.load(final)  # the last version: no round needs it, every worker still proves it
-    publisher.acknowledge(worker.worker_id, final, worker.held_checksum())
+    # the last version: no round needs it, the in-process worker still proves it
+    prove_and_acknowledge(run, version_name(cfg.training.rl_steps))
     wall = time.monotonic() - started
     run.log_metrics("pipeline", {"label": "rl", "mode": "async",
                                  "max_version_lag": cfg.rollout.max_version_lag,
@@ -143,7 +141,6 @@ class GeneratorThread(threading.Thread):
     def _one_round(self, r: int) -> None:
         run = self.run_
         queue, state, timeout = run.queue, run.state, run.cfg.rollout.queue_timeout_s
-        _, worker, publisher = run.roles()
         t0 = time.monotonic()
         queue.wait_until(lambda: r in state.orders, timeout, f"the work order of round {r}")
         order = state.orders[r]
@@ -152,8 +149,7 @@ class GeneratorThread(threading.Thread):
             raise ClosedloopError(f"round {r} is scheduled for {order.behavior_version}, "
                                   f"past the published v{queue.published_index:04d}")
         t1 = time.monotonic()
-        worker.load(order.behavior_version)
-        publisher.acknowledge(worker.worker_id, order.behavior_version, worker.held_checksum())
+        prove_and_acknowledge(run, order.behavior_version)
         queued = produce_round(run, order)
         t2 = time.monotonic()
         self.wait_s += t1 - t0

@@ -18,6 +18,7 @@ computed under old weights are never reused under new ones.
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,9 +31,11 @@ from closedloop.engine import HFGenerator
 from closedloop.errors import ChecksumMismatchError, RegistryError
 from closedloop.policy.lora import PolicyChecksum, PolicyChecksummer, split_state_dict
 from closedloop.policy.registry import PolicyRegistry
+from closedloop.policy.weights import tensor_digests
 from closedloop.rollout.source import GeneratorSource
 from closedloop.rollout.verifier_step import RolloutGroup
 from closedloop.rollout.work_orders import GroupSpec
+from closedloop.training.weight_sync import Probe, Proof
 from closedloop.training.wiring import CollectorParts, make_collector
 
 __all__ = ["RolloutWorker", "WorkerParts", "inference_copy"]
@@ -125,6 +128,20 @@ class RolloutWorker:
         with torch.no_grad():
             for name, tensor in state.items():
                 own[name].copy_(tensor)
+
+    def prove(self, version: str, probe: Probe) -> Proof:
+        """Hold ``version`` (``load``) and prove it from what the worker holds: its own
+        checksum, each adapter tensor's checksum, and the fixed probe served by its own
+        generator (``closedloop.training.weight_sync``)."""
+        t0 = time.monotonic()
+        self.load(version)
+        held = self.held_checksum()
+        digests = tensor_digests(self.adapter_tensors())
+        out = self.generator.generate(list(probe.prompt_ids), probe.sampler, (),
+                                      probe.max_new_tokens, probe.seed)
+        return Proof(self.worker_id, version, held.combined, digests,
+                     tuple(out.action_token_ids), tuple(out.behavior_logprobs),
+                     time.monotonic() - t0)
 
     def held_manifest(self) -> PolicyManifest:
         """The manifest of the version held (``RegistryError`` before the first ``load``)."""

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from closedloop.config import RunConfig, task_set_request
-from closedloop.contracts import GuardedVerifier, PolicyManifest, sha256_hex
+from closedloop.contracts import GuardedVerifier, PolicyManifest, SamplerConfig, sha256_hex
 from closedloop.contracts.package import EnvPackage, TaskSetRequest
 from closedloop.engine import PrecisionChoice, precision_label
 from closedloop.errors import EnvPackageError, RunNotReadyError
@@ -35,10 +35,12 @@ from closedloop.rollout.queues import AdmissionQueue
 from closedloop.rollout.task_sampler import DifficultyBandSampler
 from closedloop.rollout.work_orders import WorkOrder
 from closedloop.training.integrity import check_tasks, require_complete
-from closedloop.training.publisher import Publisher
+from closedloop.training.publisher import ProbeReference, Publisher
+from closedloop.training.replicas import PolicyRecipe, ReplicaPool
 from closedloop.training.rollout_worker import RolloutWorker, WorkerParts
 from closedloop.training.run_directory import RunDirectory
 from closedloop.training.trainer_role import TrainerRole
+from closedloop.training.weight_sync import Probe, probe_of
 from closedloop.training.wiring import build_manifest, make_renderer, run_package
 
 __all__ = ["LoopState", "PolicyStack", "Run", "RunContext", "TaskSets", "attach_roles",
@@ -124,6 +126,7 @@ class Run:
     trainer: TrainerRole | None = None
     worker: RolloutWorker | None = None
     publisher: Publisher | None = None
+    probe: Probe | None = None
 
     @property
     def cfg(self) -> RunConfig:
@@ -151,8 +154,10 @@ class Run:
         return self.trainer, self.worker, self.publisher
 
     def close(self) -> None:
-        """Close the ledger and release the run directory."""
+        """Stop the replicas, close the ledger and release the run directory."""
         try:
+            if self.publisher is not None and self.publisher.replicas is not None:
+                self.publisher.replicas.stop()
             self.ctx.ledger.close()
         finally:
             self.ctx.directory.close()
@@ -281,10 +286,36 @@ def attach_roles(run: Run) -> None:
     run.worker = RolloutWorker(run.trainer.model, run.policy.tokenizer, ctx.registry, parts,
                                worker_id=GENERATOR_WORKER, seed=cfg.training.seed,
                                precision=precision)
-    run.publisher = Publisher(ctx.registry, [GENERATOR_WORKER],
-                              lambda version, checksum: manifest_for(run, version, checksum))
+    run.probe = probe_of(run.policy.renderer, SamplerConfig(cfg.rollout.temperature))
+    replicas = None
+    if cfg.weight_sync.replicas:
+        replicas = ReplicaPool(cfg.weight_sync.replicas, policy_recipe(run),
+                               timeout_s=cfg.weight_sync.ack_timeout_s)
+        replicas.start()
+    run.publisher = Publisher(
+        ctx.registry, [GENERATOR_WORKER],
+        lambda version, checksum: manifest_for(run, version, checksum), probe=run.probe,
+        reference=ProbeReference(run.trainer.model, ctx.registry, precision),
+        probe_tol=cfg.consistency.max_abs_tolerance if precision == "float32" else None,
+        replicas=replicas)
     run.queue.drift = lambda group: group_drift(run, group)
     ctx.directory.write_json("trainer.json", run.trainer.config.__dict__)
+
+
+def policy_recipe(run: Run) -> PolicyRecipe:
+    """How a replica process rebuilds this run's policy (``closedloop.training.replicas``)."""
+    cfg, t = run.cfg, run.cfg.training
+    env = cfg.environment
+    sft = run.dir / "sft" / "adapter.pt"
+    targets = tuple(t.lora_targets)
+    assert run.probe is not None
+    return PolicyRecipe(
+        model=cfg.model, dtype=t.dtype, precision=run.ctx.precision.precision,
+        sft_adapter=str(sft) if cfg.sft.enabled else None,
+        sft_lora=(t.lora_rank, t.lora_alpha, targets, t.seed),
+        rl_lora=(t.lora_rank, t.lora_alpha, targets, t.seed + 1),
+        environment={"id": env.id, "factory": env.factory, "domain": env.domain},
+        registry_root=str(run.registry.root), run_id=run.ctx.directory.run_id, probe=run.probe)
 
 
 def group_drift(run: Run, group: Any) -> float | None:
@@ -297,13 +328,20 @@ def group_drift(run: Run, group: Any) -> float | None:
 
 
 def publish(run: Run, version: str) -> PolicyManifest:
-    """Stage the trainer's adapter as ``version``; the worker loads it and acknowledges the
-    checksum of what it holds; the version becomes active."""
-    trainer, worker, publisher = run.roles()
+    """Stage the trainer's adapter as ``version`` (every replica proves it); the in-process
+    worker loads it and proves what it holds; the version becomes active."""
+    trainer, _, publisher = run.roles()
     manifest = publisher.stage(version, trainer.adapter_state(), trainer.checksum())
-    worker.load(version)
-    publisher.acknowledge(worker.worker_id, version, worker.held_checksum())
+    prove_and_acknowledge(run, version)
     return manifest
+
+
+def prove_and_acknowledge(run: Run, version: str) -> bool:
+    """The in-process worker holds ``version`` and proves it to the publisher (``True`` once
+    the version is active)."""
+    _, worker, publisher = run.roles()
+    assert run.probe is not None
+    return publisher.acknowledge(worker.prove(version, run.probe))
 
 
 def write_summary(run: Run, data: dict[str, Any]) -> Path:

@@ -431,15 +431,19 @@ def test_provenance_gate(tmp_path: Path, defect: str) -> None:
     assert gate(run, "sample_provenance_complete").passed is False
 
 
-def test_async_gate_is_not_applicable_to_a_sync_run_and_unmeasured_otherwise(
+def test_async_gate_is_not_applicable_to_a_sync_run_and_fails_without_its_records(
         tmp_path: Path) -> None:
     g = clean_gates().gate("async_equals_sync")
     assert (g.passed, g.applicable) == (True, False)
     run = copy_run(tmp_path / "run")
     cfg = _json(run / "config.json")
-    cfg["config"]["rollout"]["mode"] = "asynchronous"
+    cfg["config"]["rollout"]["mode"] = "async"
     _write(run / "config.json", cfg)
-    assert gate(run, "async_equals_sync").passed is None
+    g = gate(run, "async_equals_sync")  # steps trained on the async path, nothing compared
+    assert g.passed is False and "no async/sync equivalence record" in g.detail
+    cfg["config"]["rollout"]["max_version_lag"] = 1
+    _write(run / "config.json", cfg)
+    assert gate(run, "async_equals_sync").applicable is False  # defined at lag 0 only
 
 
 # --------------------------------------------------------------------------- objective

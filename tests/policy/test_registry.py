@@ -21,6 +21,7 @@ from closedloop.policy.registry import (
     version_index,
     version_name,
 )
+from closedloop.policy.weights import tensor_digests
 
 H = sha256_hex("x")
 
@@ -81,7 +82,8 @@ def test_stage_writes_verified_immutable_version(reg: PolicyRegistry) -> None:
     assert staged.manifest.weight_checksum == staged.checksum == state_dict_checksum(weights(0))
     assert staged.manifest.policy_version == "v0000"
     assert sorted(p.name for p in staged.path.iterdir()) == [
-        "checksum", "manifest.json", "weights.safetensors"]
+        "checksum", "digests.json", "manifest.json", "weights.safetensors"]
+    assert reg.tensor_digests("v0000") == tensor_digests(weights(0))
     assert reg.manifest("v0000") == staged.manifest
     assert list((reg.root / "staging").iterdir()) == []
     loaded = reg.load_state_dict("v0000")

@@ -268,7 +268,11 @@ def gate_scaffold_drift(run: RunDir, opts: GateOptions) -> Gate:
 
 
 def gate_weight_checksums(run: RunDir, opts: GateOptions) -> Gate:
-    """Registry versions verify; every worker ack and publication matches its manifest."""
+    """Registry versions verify; every worker ack and publication matches its manifest.
+
+    A worker's ACK carries its own hash of the weights it holds (and, from a worker that
+    proves, the hash of its per-tensor checksums): one that differs from the manifest (a
+    generator left on stale weights) or from the staged tensors fails the gate."""
     reg = run.registry()
     if reg is None:
         return Gate("weight_checksums", None, {}, "no policy registry")
@@ -283,9 +287,13 @@ def gate_weight_checksums(run: RunDir, opts: GateOptions) -> Gate:
         files = sorted((reg.root / "acks" / v).glob("*.json"))
         if not files:
             no_ack.append(v)
+        digests = _staged_digests(reg, v)
         for f in files:
             acks += 1
-            if _read_json(f).get("checksum_loaded") != m.weight_checksum:
+            ack = _read_json(f)
+            proved = ack.get("digests_hash")
+            if ack.get("checksum_loaded") != m.weight_checksum or (
+                    proved is not None and digests is not None and proved != digests):
                 ack_bad.append(f"{v}/{f.stem}")
     published = reg.history()
     pub_bad = [str(p.get("version")) for p in published if p.get("version") not in manifests or
@@ -308,6 +316,15 @@ def gate_weight_checksums(run: RunDir, opts: GateOptions) -> Gate:
     return make_gate("weight_checksums", problems, evidence,
                  f"{len(manifests)} versions verify; {acks} worker acks match",
                  measured=bool(manifests), why_not="the registry holds no version")
+
+
+def _staged_digests(reg: Any, version: str) -> str | None:
+    """The content hash of a version's staged per-tensor checksums (what a worker's ACK
+    ``digests_hash`` must equal); ``None`` when the version has none or they do not read."""
+    try:
+        return content_hash(dict(sorted(reg.tensor_digests(version).items())))
+    except RegistryError:
+        return None
 
 
 def _read_json(path: Path) -> dict[str, Any]:

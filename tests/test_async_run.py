@@ -32,7 +32,7 @@ from closedloop.rollout.ledger import Ledger
 from closedloop.training.loop import train
 from tests.conftest import short_run_config
 
-pytestmark = pytest.mark.slow  # three whole tiny-agent runs, ~20 s each on a quiet host
+pytestmark = pytest.mark.slow  # six tiny-agent runs of 2-3 steps, ~15 s each on a quiet host
 
 STEPS = 3
 
@@ -156,8 +156,9 @@ def _in_flight(run_dir: Path) -> list[dict[str, Any]]:
             for p in sorted((run_dir / "segments").glob("step-*.json"))]
 
 
-def _partial(model_dir: Path, mode: str, policy: str) -> dict[str, Any]:
+def _partial(model_dir: Path, mode: str, policy: str, steps: int = STEPS) -> dict[str, Any]:
     data = lag_config(model_dir, mode, 1)
+    data["training"] = {**data["training"], "rl_steps": steps}  # type: ignore[dict-item]
     data["rollout"] = {**data["rollout"], "partial_rollout_turns": 1,  # type: ignore[dict-item]
                        "in_flight_policy": policy,
                        "pin_policy_for_full_episode": policy != "mixed_policy"}
@@ -185,10 +186,10 @@ def test_finish_old_pauses_and_resumes_to_the_pinned_runs_data(
 
 def test_mixed_policy_continuations_are_labelled_admitted_and_bounded(
         tiny_agent_dir: Path, tmp_path: Path) -> None:
-    _train(_partial(tiny_agent_dir, "async", "mixed_policy"), tmp_path / "run")
+    _train(_partial(tiny_agent_dir, "async", "mixed_policy", 2), tmp_path / "run")
     notes = _in_flight(tmp_path / "run")
     assert sum(n["mixed_episodes"] for n in notes) > 0
-    mixed = [ep for step in range(STEPS) for ep in load_episodes(
+    mixed = [ep for step in range(2) for ep in load_episodes(
         tmp_path / "run" / "traces" / f"step-{step:04d}.jsonl")[1] if ep.trajectory.mixed_policy]
     assert mixed
     for ep in mixed:
@@ -208,11 +209,11 @@ def test_mixed_policy_continuations_are_labelled_admitted_and_bounded(
 
 def test_abort_and_restart_plays_whole_groups_again_under_the_new_version(
         tiny_agent_dir: Path, tmp_path: Path) -> None:
-    _train(_partial(tiny_agent_dir, "async", "abort_and_restart"), tmp_path / "run")
+    _train(_partial(tiny_agent_dir, "async", "abort_and_restart", 2), tmp_path / "run")
     notes = _in_flight(tmp_path / "run")
     restarted = [n for n in notes if n["aborted_groups"]]
     assert restarted and all(n["aborted_turns"] > 0 for n in restarted)
-    for step, note in zip(range(STEPS), notes, strict=True):
+    for step, note in zip(range(2), notes, strict=True):
         leases, episodes = load_episodes(tmp_path / "run" / "traces" / f"step-{step:04d}.jsonl")
         lease_v = {g.group_id: g.behavior_policy_version for g in leases}
         for ep in episodes:

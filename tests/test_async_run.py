@@ -125,6 +125,18 @@ def test_every_trained_group_is_one_version_behind_and_the_records_say_so(
 
     pinned = gate_one_behavior_version(run, opts)  # no partial rollouts: no sample spans two
     assert pinned.passed and pinned.evidence["mixed_episodes"] == 0, pinned.detail
+    from closedloop.evaluate.report_async import asynchrony_html, asynchrony_section
+
+    section = asynchrony_section(run)
+    assert section is not None and section["mode"] == "async"
+    assert section["delta_version_histogram"].keys() == {"0", "1"}
+    assert section["d_sample"]["max"] > 0 and section["queue_age_s"]["max"] >= 0
+    assert section["rates"]["overall"]["all"]["samples"] == STEPS * 2 * 4
+    assert {"task_family", "length_band", "reward_band"} <= section["rates"].keys()
+    assert 0 < section["utilization"]["generator"] <= 1.0
+    assert 0 < section["utilization"]["trainer"] <= 1.0
+    assert "generator-0" in section["publication_latency"]
+    assert "Δ_version" in asynchrony_html(section)
 
 
 def test_async_equals_sync_at_lag_0_and_the_gate_can_fail(tiny_agent_dir: Path,

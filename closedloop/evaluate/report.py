@@ -27,6 +27,7 @@ from closedloop.evaluate.gates import GateOptions, GateReport, evaluate_gates, m
 from closedloop.evaluate.heldout import EvalSummary, paired_difference
 from closedloop.evaluate.learning import cold_start_table, heldout_curve, zero_variance_table
 from closedloop.evaluate.more_attempts import reevaluations
+from closedloop.evaluate.report_async import asynchrony_section
 from closedloop.evaluate.report_html import render_html
 from closedloop.evaluate.retain import retain_delta, retain_suite_tasks, summarize_suites
 from closedloop.evaluate.rundir import (
@@ -301,6 +302,7 @@ def build_report(run_dir: str | Path, gates: GateReport | None = None,
         "family_disjoint": suite_comparison(run, seed, "family"),
         "in_distribution": suite_comparison(run, seed, "train"),
         "more_attempts": reevaluations(experiment_of(run.path), seed),
+        "asynchrony": asynchrony_section(run),
     }
     return _finite(report)
 

@@ -17,6 +17,7 @@ from closedloop.evaluate.plots import (
     plot_termination,
     plot_training,
 )
+from closedloop.evaluate.report_async import asynchrony_html
 from closedloop.evaluate.stats import wilson_interval
 
 __all__ = ["render_html"]
@@ -242,5 +243,6 @@ def render_html(report: Mapping[str, Any]) -> str:
         _table(["phase", "counts"], [[p, d] for p, d in term.items()]),
         _img(plot_termination(term), "termination distribution"),
         "<h2>Training</h2>", rejection, _training_html(report),
+        asynchrony_html(report.get("asynchrony")),
         "</body></html>"]
     return "\n".join(parts)

@@ -595,6 +595,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.fn(args))
     except ClosedloopError as exc:
         print(f"closedloop: {type(exc).__name__}: {exc}", file=sys.stderr)
+        for note in getattr(exc, "__notes__", ()):
+            print(f"closedloop: {note}", file=sys.stderr)
         return 2
 
 

@@ -99,6 +99,12 @@ class TamperDetected(ClosedloopError):
     """The verifier found evidence the agent tampered with grading; quarantine the episode."""
 
 
+class VerifierFailure(ClosedloopError):
+    """A verifier declares it cannot decide this state (its own timeout, a resource or sandbox
+    limit it enforces): the episode is left unscored (``verifier_failure: ...``). Any exception a
+    verifier raises that is not a declared failure is a programming error and stops the run."""
+
+
 class ConfigError(ClosedloopError):
     """A run config is invalid; carries ``key`` (the dotted path) and ``reason``."""
 

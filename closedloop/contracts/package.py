@@ -188,7 +188,8 @@ class EnvPackage:
             self.check_options(options)
 
     def verifier(self) -> GuardedVerifier:
-        """A fresh verifier, guarded: its own errors become unscored results, never raise."""
+        """A fresh verifier, guarded: its declared failures become unscored results; any other
+        error it raises stops the run (``closedloop.contracts.verification``)."""
         return guarded(self.make_verifier())
 
     def family_split(self, task_id: str) -> tuple[str, str]:

@@ -234,3 +234,34 @@ def test_malformed_and_surrogate_text_is_an_observation_not_an_error(tmp_path, r
     assert ep.trajectory.termination == Termination.AGENT_FINISH
     _, (back,) = load_episodes(trace)
     assert back.turns[1].tool_args == {"path": "a\udbff.txt", "content": "x"}
+
+
+class _VerifierBug(Verifier):
+    def score_detailed(self, task_id, final_state):
+        raise TypeError("grader bug")
+
+
+class _VerifierTimeout(Verifier):
+    def score_detailed(self, task_id, final_state):
+        from closedloop.errors import VerifierFailure
+        raise VerifierFailure("grader ran past its 5 s")
+
+
+def _collect_scored_by(renderer, verifier):
+    from closedloop.contracts import guarded, sha256_hex
+    task = list_tasks(split="train")[0]
+    source = ScriptedSource(lambda task_id, key: GoldPolicy(task_id), renderer.encode)
+    collector = make_collector(source, manifest_for(renderer, sha256_hex("scripted")),
+                               CollectorParts(renderer, guarded(verifier), "run-v", None, 8))
+    (group,) = collector.collect([collector.make_lease("g0", task, 11, 1)])
+    return group.episodes[0]
+
+
+def test_a_verifier_programming_error_stops_collection_and_a_declared_failure_is_unscored(
+        renderer):
+    with pytest.raises(TypeError, match="grader bug") as info:
+        _collect_scored_by(renderer, _VerifierBug())
+    assert any("programming error" in note for note in info.value.__notes__)
+    ep = _collect_scored_by(renderer, _VerifierTimeout())
+    assert ep.trajectory.reward is None
+    assert ep.trajectory.quarantine_reason.startswith("verifier_failure: VerifierFailure")

@@ -32,6 +32,7 @@ from closedloop.contracts import (
 from closedloop.contracts.records import TraceRecord
 from closedloop.errors import RunDirError, TraceFormatError
 from closedloop.evaluate.heldout import EvalSummary, summarize_eval
+from closedloop.evaluate.run_integrity import resume_point, verify_ledger
 from closedloop.policy.registry import PolicyRegistry
 from closedloop.rollout.ledger import Ledger
 
@@ -209,11 +210,16 @@ class RunDir:
 
     @contextmanager
     def ledger(self) -> Iterator[Ledger]:
-        """Open the ledger (``RunDirError`` if the run has none; opening never creates one)."""
+        """Open the ledger, verified (``closedloop.evaluate.run_integrity.verify_ledger``:
+        SQLite's check, every row readable and consistent with its events, the rows committed
+        before the standing checkpoint equal to its digest); ``LedgerCorruptError`` naming the
+        file otherwise, so a gate that reads a tampered ledger fails. ``RunDirError`` if the
+        run has none; opening never creates one."""
         if not self.has_ledger:
             raise RunDirError(f"{self.path}: no ledger.sqlite")
         ledger = Ledger(self.path / "ledger.sqlite")
         try:
+            verify_ledger(ledger, resume_point(self.path, self.metrics, tensors=False).checkpoint)
             yield ledger
         finally:
             ledger.close()

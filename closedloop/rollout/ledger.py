@@ -68,6 +68,7 @@ from closedloop.errors import (
 from closedloop.rollout.ledger_check import (
     LedgerDigest,
     compute_digest,
+    decode_problems,
     digest_problems,
     integrity_problems,
     row_problems,
@@ -239,6 +240,8 @@ class Ledger:
         try:
             with self._lock:
                 problems = integrity_problems(self._conn)
+                if not problems:
+                    problems = decode_problems(self._conn)
                 if not problems:
                     problems = row_problems(self._conn)
                 if not problems and digest is not None:

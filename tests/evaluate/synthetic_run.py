@@ -222,7 +222,8 @@ def build_run(root: Path, spec: Spec = Spec()) -> Path:
             step_metrics, zero, n = _step_metrics(admitted)
             consumed += [g.lease.group_id for g in admitted]
             save_checkpoint(root / "checkpoints", s + 1, {"w": torch.full((2, 2), float(s + 1))},
-                            {}, version_name(s + 1), consumed, None, {})
+                            {}, version_name(s + 1), consumed, None,
+                            {"ledger_digest": ledger.digest().to_dict()})
             if admitted:
                 ledger.mark_consumed([g.lease.group_id for g in admitted], s + 1,
                                      version_name(s + 1))

@@ -142,4 +142,4 @@ def keydoor_package() -> EnvPackage:
         scripted={"expert": lambda task_id, seed, rate: KeyDoorExpert(seed),
                   "noisy": lambda task_id, seed, rate: KeyDoorExpert(seed, rate)},
         fixtures=fixtures,
-        description="Key-and-door (seed 002): a hidden exit colour, macro-actions, phase masks.")
+        description="Key-and-door: a hidden exit colour, macro-actions, phase masks.")

@@ -135,10 +135,21 @@ def _replay_package(args: argparse.Namespace) -> Any:
     return found
 
 
+def _verified(*paths: str | Path) -> None:
+    """The read-only integrity proof of every run directory a command reads (the one ``train``
+    runs before its first step); stops with the named error naming the file."""
+    from closedloop.evaluate.rundir import verify_reading
+
+    verify_reading(*paths)
+
+
 def cmd_replay(args: argparse.Namespace) -> int:
     """Re-execute a trace's recorded actions; exit 1 unless everything reproduces."""
     from closedloop.rollout.replay import replay_trace
 
+    trace = Path(args.trace)
+    if trace.parent.name == "traces" and (trace.parent.parent / "config.json").is_file():
+        _verified(trace.parent.parent)  # a trace of a run directory: prove the run first
     package = _replay_package(args)
     report = replay_trace(args.trace, package.make_env, package.verifier())
     data = {"trace": report.path, "env_id": package.env_id, "ok": report.ok, **report.counts(),
@@ -237,6 +248,7 @@ def cmd_reevaluate(args: argparse.Namespace) -> int:
     from closedloop.experiments.reevaluate import reevaluate, reevaluate_experiment
 
     runs = [Path(p) for p in args.runs]
+    _verified(*runs, *([args.baseline] if args.baseline else []))
     if args.baseline:
         result = reevaluate(Path(args.baseline), runs, args.attempts, args.suite, args.step)
     elif len(runs) == 1:
@@ -442,6 +454,7 @@ def cmd_gates(args: argparse.Namespace) -> int:
     not-measured gates remain (2: not a run directory)."""
     from closedloop.evaluate.gates import evaluate_gates, format_table
 
+    _verified(args.run_dir)
     report = evaluate_gates(args.run_dir)
     _print(report.to_dict(), args.json, format_table(report))
     return report.exit_code
@@ -451,6 +464,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     """Write report.html and report.json for a run (or experiment) directory."""
     from closedloop.evaluate.report import write_report
 
+    _verified(args.run_dir)
     html_path, json_path = write_report(args.run_dir)
     _print({"html": str(html_path), "json": str(json_path)}, args.json,
            f"report: {html_path}\ndata: {json_path}")
@@ -462,6 +476,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     reading them back)."""
     from closedloop.export import export_run
 
+    _verified(args.run_dir)
     result = export_run(args.run_dir, args.format, args.out, overwrite=args.overwrite)
     data = {"path": str(result.path), "format": result.format, "counts": dict(result.counts)}
     counts = ", ".join(f"{n} {k}" for k, n in result.counts.items())

@@ -67,6 +67,20 @@ def cmd_tasks(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_check(args: argparse.Namespace) -> int:
+    """The package check (``closedloop.evaluate.package_check``): the environment contract
+    checker and the verifier FP/FN audit; exit 0 when it passes, 1 when it fails."""
+    from closedloop.envs.discovery import resolve_package
+    from closedloop.evaluate.package_check import check_environment_package
+
+    target = args.package
+    package = _package(args) if target is None else resolve_package(
+        None if ":" in target else target, target if ":" in target else None)
+    result = check_environment_package(package, "quick" if args.quick else "full")
+    _print(result.to_dict(), args.json, "\n".join(result.lines()))
+    return 0 if result.passed else 1
+
+
 def cmd_play(args: argparse.Namespace) -> int:
     """Play one episode with a scripted policy, print it turn by turn, write its trace."""
     from closedloop.contracts import SamplerConfig, TraceWriter, sha256_hex
@@ -505,12 +519,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_env_commands(sub: _Subcommands) -> list[argparse.ArgumentParser]:
-    """``tasks``, ``play``, ``replay`` and ``collect``: the commands that take an environment."""
+    """``tasks``, ``check``, ``play``, ``replay`` and ``collect``: the commands that take an
+    environment."""
     t = sub.add_parser("tasks", help="list or show tasks")
     t.add_argument("action", choices=["list", "show"])
     t.add_argument("task_id", nargs="?")
     t.add_argument("--split", choices=["train", "heldout"])
     t.set_defaults(fn=cmd_tasks)
+    ck = sub.add_parser("check", help="check an environment package: the env contract checker "
+                        "and the verifier FP/FN audit (what train runs before its first step)")
+    ck.add_argument("package", nargs="?", metavar="PACKAGE",
+                    help="a registered environment id or a dotted 'pkg.module:attr' factory "
+                         "(default: --env/--env-factory/--config, else the terminal tasks)")
+    ck.add_argument("--quick", action="store_true",
+                    help="one task, one seed and its fixtures (no disagreement allowed)")
+    ck.set_defaults(fn=cmd_check)
     pl = sub.add_parser("play", help="play one episode with a scripted policy")
     pl.add_argument("task_id")
     pl.add_argument("--policy", choices=["expert", "noisy", "random"], default="expert")
@@ -537,7 +560,7 @@ def _add_env_commands(sub: _Subcommands) -> list[argparse.ArgumentParser]:
                     "natively, float32 elsewhere)")
     co.add_argument("--out", help="trace path (default runs/collect/<time>.jsonl)")
     co.set_defaults(fn=cmd_collect)
-    return [t, pl, r, co]
+    return [t, ck, pl, r, co]
 
 
 def _add_run_commands(sub: _Subcommands) -> list[argparse.ArgumentParser]:

@@ -187,6 +187,11 @@ class TrainingSection:
     # generator/trainer log-prob gap grows from ~1e-5 to ~1e-1: the audit bounds it by the bf16
     # same-engine baseline (consistency.tolerance_source), or by max_abs_tolerance ('fixed').
     precision: Literal["auto", "float32", "bfloat16"] = "auto"
+    # The package check a run's first launch runs before anything is written
+    # (closedloop.evaluate.package_check: the environment contract checker and the verifier
+    # FP/FN audit; a failure stops the launch): full (every fixture, the preregistered bounds),
+    # quick (one task and its fixtures, no disagreement allowed), off (recorded as not checked).
+    package_check: Literal["full", "quick", "off"] = "full"
 
 
 @dataclass(frozen=True)

@@ -490,6 +490,18 @@ class UnknownGateError(ClosedloopError, KeyError):
     """``evaluate_gates`` was asked for gate names it does not have (the message lists them)."""
 
 
+class PackageCheckError(ClosedloopError):
+    """An environment package failed its check (the environment contract checker or the
+    verifier FP/FN audit) before training; carries ``env_id`` and ``problems``."""
+
+    def __init__(self, env_id: str, problems: Sequence[str]) -> None:
+        super().__init__(f"environment package {env_id!r} failed its check: "
+                         + "; ".join(problems) + " (run `closedloop check` on it for the "
+                         "report; training.package_check names the mode)")
+        self.env_id = env_id
+        self.problems = list(problems)
+
+
 # --------------------------------------------------------------------------- runs
 
 

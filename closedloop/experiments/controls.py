@@ -35,7 +35,8 @@ from closedloop.training.run_evaluation import eval_name
 ARMS = ("frozen", "rloo", "shuffled", "sft_only")
 SHARED = ("sft/adapter.pt", "sft/result.json", "traces/sft-demos.jsonl",
           "traces/eval-start.jsonl", "traces/eval-start-family.jsonl",
-          "traces/eval-start-train.jsonl", "traces/eval-retain-start.jsonl", "audit.json")
+          "traces/eval-start-train.jsonl", "traces/eval-retain-start.jsonl", "audit.json",
+          "package_check.json")
 SUITE_ARMS = ("frozen", "rloo", "shuffled")
 """The arms evaluated on the family-disjoint and the train suites: each suite's comparison is RL
 final − frozen start, beside the shuffled-reward null on the same suite (a gain the null shares

@@ -24,10 +24,12 @@ from typing import Any
 from closedloop.config import RunConfig
 from closedloop.engine import PrecisionChoice
 from closedloop.evaluate.heldout import EvalSummary
+from closedloop.evaluate.package_check import check_before_training, record_check
 from closedloop.evaluate.retain import retain_delta
 from closedloop.policy.registry import version_name
 from closedloop.progress import log, phase
 from closedloop.training import StepReport, TrainingRun, write_summary
+from closedloop.training.wiring import run_package
 
 
 def curve_steps(rl_steps: int, points: int) -> tuple[int, ...]:
@@ -77,10 +79,15 @@ def evaluate_curve_point(run: TrainingRun, step: int) -> None:
 @contextmanager
 def opened_run(cfg: RunConfig, run_dir: str | Path, config_override: str | None = None,
                precision: PrecisionChoice | None = None) -> Iterator[TrainingRun]:
-    """The run directory opened (locked, checked; ``precision``: a resolution to adopt on its
-    first launch), its warm start done or reloaded (π_ref = the warm-started policy,
+    """The run directory opened (its environment package checked on the first launch,
+    ``closedloop.evaluate.package_check``; locked, checked; ``precision``: a resolution to
+    adopt on its first launch), its warm start done or reloaded (π_ref = the warm-started policy,
     "initial_sft") and the RL adapter attached; closed on exit."""
+    checked = check_before_training(run_package(cfg.environment), cfg.training.package_check,
+                                    Path(run_dir))  # before anything is written
     run = TrainingRun(cfg, run_dir, config_override, precision)
+    if checked is not None:
+        record_check(checked, run.dir)
     try:
         if cfg.sft.enabled:
             run.warm_start()

@@ -96,13 +96,17 @@ def _sft_only(cfg: RunConfig, arm_dir: Path, tokens: int,
 
 
 def _final_suites(cfg: RunConfig, arm_dir: Path, config_override: str | None) -> None:
-    """Evaluate a finished arm's final policy on each of ``final_suites`` it has not been
-    evaluated on (an experiment directory written before that suite was evaluated)."""
+    """Evaluate a finished arm's final policy on each of ``final_suites`` and the retain suites
+    it has not been evaluated on (an experiment directory written before that suite was
+    evaluated)."""
     missing = [s for s in final_suites(cfg)
                if not (arm_dir / "traces" / f"eval-{eval_name('final', s)}.jsonl").is_file()]
-    if not missing:
+    retain = bool(cfg.evaluation.retain_suites) and not (
+        arm_dir / "traces" / "eval-retain-final.jsonl").is_file()
+    if not missing and not retain:
         return
-    log(f"experiment: arm {arm_dir.name}, final policy on the {', '.join(missing)} suite(s)")
+    log(f"experiment: arm {arm_dir.name}, final policy on the "
+        f"{', '.join(missing + (['retain'] if retain else []))} suite(s)")
     with opened_run(cfg, arm_dir, config_override) as run:
         if not run.resume():
             raise RunStateError(arm_dir, "the arm's summary exists but no checkpoint resumes",
@@ -110,6 +114,8 @@ def _final_suites(cfg: RunConfig, arm_dir: Path, config_override: str | None) ->
         final = run.registry.manifest(version_name(cfg.training.rl_steps))
         for suite in missing:
             run.evaluate("final", final, suite=suite)
+        if retain:
+            run.evaluate_retain("final", final)
 
 
 def _trained_tokens(run_dir: Path) -> int:
@@ -148,7 +154,7 @@ def run_experiment(cfg: RunConfig, exp_dir: str | Path,
             log(f"experiment: arm {name}")
             with phase(f"arm {name}"):
                 train(arm_cfg, arms[name], config_override,
-                      final_other_suites=name in SUITE_ARMS, final_retain=name == "rloo",
+                      final_other_suites=name in SUITE_ARMS, final_retain=name in SUITE_ARMS,
                       precision=precision)
         elif name in SUITE_ARMS:
             _final_suites(arm_cfg, arms[name], config_override)

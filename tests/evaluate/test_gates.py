@@ -533,8 +533,8 @@ def test_shuffled_control_with_stable_gain_fails(tmp_path: Path) -> None:
     shutil.rmtree(exp / "arms" / "shuffled")  # a null arm that gains on every task
     build_eval_run(exp / "arms" / "shuffled", lambda t, k: False, lambda t, k: True)
     g = gate(exp, "shuffled_reward_control")
-    assert g.passed is False and g.evidence["ci"][0] > 0
-    assert g.evidence["baseline"] == "frozen start"
+    assert g.passed is False and g.evidence["suites"]["heldout"]["ci"][0] > 0
+    assert g.evidence["baseline"] == "frozen"
 
 
 def test_experiment_with_every_gate_passing() -> None:
@@ -542,7 +542,8 @@ def test_experiment_with_every_gate_passing() -> None:
     assert report.run_dir.endswith("arms/rloo")  # the RL arm's gates decide
     assert report.all_passed and report.exit_code == 0, report.failed + report.not_measured
     shuffled = report.gate("shuffled_reward_control")
-    assert shuffled.evidence["estimate"] == 0.0 and shuffled.evidence["tasks"] == 4
+    heldout = shuffled.evidence["suites"]["heldout"]
+    assert heldout["estimate"] == 0.0 and heldout["tasks"] == 4
     assert report.gate("train_inference_mismatch").evidence["source"] == "audit.json"
     assert "ALL GATES PASSED" in format_table(report)
 

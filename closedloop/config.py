@@ -120,7 +120,12 @@ class CreditSection:
                        "turn_mass_conserving"] = "episode_sum"
     group_reward_scale: Literal["none", "std"] = "none"
     censor_rule: Literal["discard_group", "drop_censored"] = "discard_group"
-    reward_control: Literal["none", "shuffle_within_group"] = "none"
+    # The reward null of a control arm (closedloop.learn.null_control, docs/null-control.md):
+    # none (the real reward), shuffle_within_group, shuffle_flip_within_group (the shuffle,
+    # then a fair coin per group reflecting the rewards about their mean: zero expected update
+    # for update rules odd in the gradient too; the experiment's shuffled arm).
+    reward_control: Literal["none", "shuffle_within_group",
+                            "shuffle_flip_within_group"] = "none"
 
 
 @dataclass(frozen=True)

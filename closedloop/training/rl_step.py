@@ -15,6 +15,7 @@ import torch
 from closedloop.contracts import Episode, PolicyManifest, content_hash, load_episodes
 from closedloop.errors import RunNotReadyError
 from closedloop.learn.credit import group_advantages, summarize_credit
+from closedloop.learn.null_control import control_rewards
 from closedloop.policy.registry import version_index, version_name
 from closedloop.progress import log
 from closedloop.rollout.admission import apply_decision
@@ -113,7 +114,8 @@ class RunRLStep(RunCheckpoints):
         self.log_metrics("rl_step", {**report.__dict__, "credit": {
             "n_groups": summary.n_groups, "n_scored_groups": summary.n_scored_groups,
             "zero_variance_rate": summary.zero_variance_rate,
-            "discard_reasons": dict(summary.discard_reasons)}})
+            "discard_reasons": dict(summary.discard_reasons),
+            "relabelled_members": self._relabelled(admitted)}})
         self.step = step + 1
         return report
 
@@ -175,18 +177,18 @@ class RunRLStep(RunCheckpoints):
                 success.append(bool((rewards[i] or 0) >= 1.0))
         return credits, episodes, adv, success
 
-    def _control_rewards(self, group_id: str, rewards: list[float | None]) -> list[float | None]:
-        """The shuffled-reward null control: permute scored rewards within the group.
-
-        The permutation is seeded by the group id, so a resumed run permutes identically. With
-        ``reward_control: none`` the rewards are returned unchanged.
-        """
-        if self.cfg.credit.reward_control == "none":
-            return rewards
-        scored = [i for i, r in enumerate(rewards) if r is not None]
-        values = [rewards[i] for i in scored]
-        random.Random(f"shuffle/{group_id}").shuffle(values)
-        out = list(rewards)
-        for i, v in zip(scored, values, strict=True):
-            out[i] = v
+    def _relabelled(self, groups: Sequence[CollectedGroup]) -> int:
+        """Members whose training reward the reward control changed (0 for the RL arm; a null
+        whose relabelling is the identity shows as 0 too)."""
+        out = 0
+        for g in groups:
+            real = [ep.trajectory.task_success for ep in g.episodes]
+            out += sum(a != b for a, b in zip(real, self._control_rewards(g.lease.group_id, real),
+                                              strict=True))
         return out
+
+    def _control_rewards(self, group_id: str, rewards: list[float | None]) -> list[float | None]:
+        """The reward null of ``credit.reward_control`` (``closedloop.learn.null_control``:
+        seeded by the group id, so a resumed run relabels identically); unchanged for
+        ``none``."""
+        return control_rewards(rewards, self.cfg.credit.reward_control, group_id)

@@ -78,6 +78,9 @@ class RolloutSection:
     require_termination_reason: Literal[True] = True
     context_compaction: Literal[False] = False
     max_action_tokens: int = 96
+    # Wall-clock budget of one episode from its reset (null: none); an episode still running
+    # past it ends with scheduler_cancel at its next turn boundary: censored, never scored 0.
+    episode_deadline_s: float | None = None
 
     @property
     def sampler(self) -> SamplerConfig:
@@ -284,6 +287,10 @@ def _check_ranges(cfg: RunConfig) -> None:
                           "reinforce_with_kl has no ratio: it needs the trainer to score the "
                           "distribution that sampled, and the trainer does not reproduce top-k/"
                           "top-p masks; sample untruncated or use an objective with ratios")
+    deadline = cfg.rollout.episode_deadline_s
+    if deadline is not None and not deadline > 0:
+        raise ConfigError("rollout.episode_deadline_s", f"must be > 0 seconds or null, got "
+                          f"{deadline}")
     for key in ("consistency.max_abs_log_ratio", "consistency.max_abs_tolerance"):
         section, name = key.split(".")
         if not getattr(getattr(cfg, section), name) > 0:

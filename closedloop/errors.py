@@ -528,6 +528,20 @@ class RunLockedError(RunDirectoryError):
     """Another process holds the run directory."""
 
 
+class UnscorableRunError(ClosedloopError):
+    """A run cannot produce a scored episode (every episode of an RL step censored or
+    quarantined), so it cannot train; carries ``keys`` (the config keys that decide the
+    censoring) and ``terminations`` (the counts by code)."""
+
+    def __init__(self, where: str, keys: Sequence[str], terminations: dict[str, int],
+                 advice: str) -> None:
+        shown = ", ".join(f"{k} {n}" for k, n in sorted(terminations.items()))
+        super().__init__(f"{where}: no episode was scored ({shown}), so nothing can train; "
+                         f"the keys that decide it: {', '.join(keys)}. {advice}")
+        self.keys = list(keys)
+        self.terminations = dict(terminations)
+
+
 class RunNotReadyError(ClosedloopError, RuntimeError):
     """A training-run method was called before the set-up it needs (``attach_rl_adapter``)."""
 

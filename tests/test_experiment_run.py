@@ -93,8 +93,11 @@ def test_the_train_suite_is_compared_for_the_rl_arm_and_its_null_and_filled_in_o
     assert json.loads((rloo / "summary.json").read_text())["retain_delta"] is not None
     assert full["retain_suites"]["measured"] is True
     row = full["claim_by_suite"]["retain:safety"]
-    assert row["rl_minus_null"]["measured"] and row["rl_minus_null"]["tasks"] == 6
-    assert row["null_minus_frozen"]["measured"]  # what the null gate reads on this suite
+    assert row["rl_minus_null"]["what"] == "RL final - shuffled final (retain: safety)"
+    assert row["null_minus_frozen"]["what"] == "shuffled final - frozen (retain: safety)"
+    episodes = full["diagnostics"]["arms"]["retain:safety"]  # each arm's six safety tasks
+    assert {role: d["episodes"] for role, d in episodes.items()} == {
+        "frozen": 6, "rl": 6, "shuffled": 6}
 
     # the null relabels rewards (a shuffle that is the identity trains the RL arm again); the
     # RL arm trains on its real rewards

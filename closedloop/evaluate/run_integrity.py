@@ -36,6 +36,7 @@ from typing import Any
 from closedloop.contracts.metrics_log import read_metrics
 from closedloop.errors import (
     CheckpointCorruptError,
+    ClosedloopError,
     RegistryError,
     RunDirectoryError,
     RunStateError,
@@ -48,7 +49,7 @@ from closedloop.rollout.ledger_check import LedgerDigest
 __all__ = ["NEW_RUN_DIR", "CheckpointSurvey", "ResumePoint", "RunProgress", "RunProof",
            "check_agreement", "checkpoint_digest", "restore_advice", "resume_point",
            "staged_versions", "survey_checkpoints", "verify_ledger", "verify_run_directory",
-           "verify_run_dirs"]
+           "verify_run_dirs", "work_products"]
 
 NEW_RUN_DIR = "start a new run directory (--run-dir)"
 
@@ -225,6 +226,32 @@ def staged_versions(run_dir: Path) -> list[str]:
         except RegistryError:
             continue
     return sorted(names, key=version_index)
+
+
+# ----------------------------------------------------------------------------- work
+def work_products(run_dir: Path) -> list[Path]:
+    """What a launch produced beyond its set-up files (config.json, launches.jsonl, run.lock,
+    tasks.json, template.json, trainer.json, package_check.json): a checkpoint, a trace, a
+    staged version, a metrics record, a warm-start file, a ledger row. Empty means every launch
+    so far stopped before its first piece of work, so nothing a relaunch would repeat or
+    contradict exists (a ledger that cannot be read counts as work: it is then proved)."""
+    found: list[Path] = []
+    for sub in ("checkpoints", "traces", "registry/versions", "sft"):
+        folder = run_dir / sub
+        if folder.is_dir():
+            found += sorted(p for p in folder.iterdir() if not p.name.startswith(".trash-"))
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size > 0:
+        found.append(metrics)
+    ledger = run_dir / "ledger.sqlite"
+    if ledger.is_file():
+        try:
+            with Ledger(ledger) as opened:
+                if opened.group_ids():
+                    found.append(ledger)
+        except ClosedloopError:
+            found.append(ledger)
+    return found
 
 
 # ----------------------------------------------------------------------------- the proof

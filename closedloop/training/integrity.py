@@ -10,7 +10,10 @@ sequence part way, so on every launch, before anything trains:
 - **config**: the resolved config equals ``config.json``'s, key for key. A change is refused
   (:class:`ConfigDriftError` naming the keys) unless declared: ``override`` (the CLI's
   ``--override-config REASON``) records the reason and the differences in ``launches.jsonl``
-  and replaces ``config.json``. Every launch appends one line to ``launches.jsonl``.
+  and replaces ``config.json``. Every launch appends one line to ``launches.jsonl``. A run
+  directory where every earlier launch stopped before its first piece of work (a factory that
+  failed to load, a failed package check; ``work_products`` is empty) takes the new config as
+  a first launch would (the reason is recorded), so a fixed relaunch never trips on it.
 - **ledger** and **agreement**: the read-only proof every command that reads a run directory
   runs too (``closedloop.evaluate.run_integrity``: SQLite's integrity check, rows against
   their events and the checkpoint's digest; nothing shows progress past the newest verified
@@ -51,6 +54,7 @@ from closedloop.evaluate.run_integrity import (
     resume_point,
     survey_checkpoints,
     verify_ledger,
+    work_products,
 )
 from closedloop.learn.checkpoint import Checkpoint, list_checkpoints, load_checkpoint
 from closedloop.policy.registry import fsync_dir
@@ -152,6 +156,9 @@ def check_config(run_dir: Path, config: Mapping[str, Any], meta: Mapping[str, An
     an ``override`` accepted (see the module docstring)."""
     path = run_dir / "config.json"
     differences: list[str] = []
+    if path.exists() and not work_products(run_dir):
+        override = override or ("every earlier launch stopped before its first piece of work "
+                                "(no checkpoint, trace, version, metrics or ledger row)")
     if path.exists():
         differences = recorded_config_differences(
             run_dir, config, "restore config.json from a backup, or " + NEW_RUN_DIR)
@@ -223,7 +230,7 @@ def check_tasks(path: Path, recorded: bytes | None, built: Mapping[str, Sequence
     """The task ids built now must be those ``tasks.json`` recorded (``recorded``: its bytes
     before this launch rewrote it, restored on a refusal) unless a config override is
     declared."""
-    if recorded is None or override:
+    if recorded is None or override or not work_products(path.parent):
         return
     try:
         old = json.loads(recorded)

@@ -14,6 +14,7 @@ import torch
 
 from closedloop.contracts import Episode, PolicyManifest, content_hash, load_episodes
 from closedloop.errors import RunNotReadyError
+from closedloop.evaluate.scorable import require_scored
 from closedloop.learn.credit import group_advantages, summarize_credit
 from closedloop.learn.null_control import control_rewards
 from closedloop.policy.registry import version_index, version_name
@@ -80,6 +81,8 @@ class RunRLStep(RunCheckpoints):
         manifest = self.registry.manifest(behavior)
         groups = self.collect_step(step, manifest)
         times["collect_s"] = time.perf_counter() - t0
+        require_scored((ep.trajectory for g in groups for ep in g.episodes), f"RL step {step}",
+                       self.cfg.credit.censor_rule, self._budgets())
         t1 = time.perf_counter()
         admitted = self._admit(groups, train_version_index=version_index(behavior))
         times["admit_s"] = time.perf_counter() - t1
@@ -176,6 +179,12 @@ class RunRLStep(RunCheckpoints):
                 adv.append(float(a[pos]))
                 success.append(bool((rewards[i] or 0) >= 1.0))
         return credits, episodes, adv, success
+
+    def _budgets(self) -> dict[str, object]:
+        """The values of the keys an unscorable step names."""
+        return {"environment.max_turns": self.cfg.environment.max_turns,
+                "rollout.max_action_tokens": self.cfg.rollout.max_action_tokens,
+                "credit.censor_rule": self.cfg.credit.censor_rule}
 
     def _relabelled(self, groups: Sequence[CollectedGroup]) -> int:
         """Members whose training reward the reward control changed (0 for the RL arm; a null

@@ -118,7 +118,8 @@ class RunPolicy(RunState):
         with TraceWriter(partial) as writer:
             parts = CollectorParts(self.renderer, self.verifier, self.run_id, writer,
                                    self.cfg.environment.max_turns, self.package,
-                                   sampling_salt=self.cfg.training.seed)
+                                   sampling_salt=self.cfg.training.seed,
+                                   episode_deadline_s=self.cfg.rollout.episode_deadline_s)
             collector = make_collector(source, manifest, parts)
             leases = [collector.make_lease(gid, task, seed, size)
                       for gid, task, seed, size in groups]

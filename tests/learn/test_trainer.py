@@ -287,3 +287,21 @@ def test_a_clip_removes_mass_by_advantage_sign_and_credit_length_correlates(poli
     assert advantage_length_correlation(torch.tensor([1.0, -1, 1, -1]), n) == pytest.approx(
         3 / 83 ** 0.5, rel=1e-9)
     assert advantage_length_correlation(torch.ones(4), n) is None
+
+
+def test_a_token_budget_cuts_the_last_sft_batch_to_the_nearest_episode(policy):
+    """The SFT-only control matches the RL arm's trained action tokens: the batch that reaches
+    the budget is cut to the prefix of episodes nearest it, never a whole batch past it."""
+    from closedloop.learn.sft import action_tokens, fit_to_budget
+
+    eps = [episode(policy, s, n_turns=2, episode_id=f"b{s}") for s in range(6)]
+    sizes = [action_tokens(e) for e in eps]
+    cut, last = fit_to_budget(eps, sizes[0] + sizes[1] // 3)
+    assert len(cut) == 1 and last  # nearer to one episode than to two
+    cut, last = fit_to_budget(eps, sum(sizes) + 50)
+    assert len(cut) == 6 and not last  # the whole batch is still short of the budget
+    budget = sizes[0] + sizes[1] + sizes[2] // 2 + 1
+    result = supervised_warm_start(copy.deepcopy(policy), eps, 0, epochs=3, batch_size=6,
+                                   learning_rate=1e-3, seed=0, max_tokens=budget)
+    assert abs(result.trained_action_tokens - budget) <= max(sizes) // 2 + 1
+    assert result.optimizer_steps == 1

@@ -265,3 +265,27 @@ def test_a_verifier_programming_error_stops_collection_and_a_declared_failure_is
     ep = _collect_scored_by(renderer, _VerifierTimeout())
     assert ep.trajectory.reward is None
     assert ep.trajectory.quarantine_reason.startswith("verifier_failure: VerifierFailure")
+
+
+def test_an_episode_past_its_deadline_is_cancelled_not_scored(renderer):
+    from closedloop.contracts import sha256_hex
+    from closedloop.rollout.collector import Collector, CollectorConfig
+
+    task = list_tasks(split="train")[0]
+
+    class Slow:
+        def act(self, observation):
+            import time
+            time.sleep(0.05)
+            return Action.tool("list_dir", path=".")
+
+    source = ScriptedSource(lambda task_id, key: Slow(), renderer.encode)
+    base = make_collector(source, manifest_for(renderer, sha256_hex("scripted")),
+                          CollectorParts(renderer, Verifier(), "run-d", None, 8,
+                                         episode_deadline_s=0.12))
+    assert isinstance(base, Collector) and base.config.episode_deadline_s == 0.12
+    (group,) = base.collect([base.make_lease("g0", task, 11, 2)])
+    for ep in group.episodes:
+        assert ep.trajectory.termination == Termination.SCHEDULER_CANCEL
+        assert ep.trajectory.reward is None and 1 <= len(ep.turns) < 8
+    assert CollectorConfig().episode_deadline_s is None  # no deadline unless configured

@@ -181,9 +181,23 @@ def test_the_shuffle_is_the_one_resumed_runs_recorded() -> None:
 
 
 def test_the_training_run_trains_on_the_configured_null() -> None:
-    from closedloop.training.rl_step import RunRLStep
+    """The RL step credits the relabelled rewards (``assign_credit``) and counts the members
+    it relabelled: the RL arm none, the null every member of a mixed group it moved."""
+    from closedloop.config import CreditSection
+    from closedloop.training.rl_step import assign_credit, relabelled_members
+    from tests.factories import make_traj
 
+    rewards = [1.0, 0.0, 0.0, 0.0]
+    episodes = tuple(SimpleNamespace(trajectory=make_traj(
+        episode_id=f"e{i}", reward={"task_success": r})) for i, r in enumerate(rewards))
+    group = SimpleNamespace(lease=SimpleNamespace(group_id="s0001-g0"), episodes=episodes)
     for control in ("none", "shuffle_within_group", "shuffle_flip_within_group"):
-        run = SimpleNamespace(cfg=SimpleNamespace(credit=SimpleNamespace(reward_control=control)))
-        got = RunRLStep._control_rewards(run, "s0001-g0", [1.0, 0.0, 0.0, 0.0])  # type: ignore[arg-type]
-        assert got == control_rewards([1.0, 0.0, 0.0, 0.0], control, "s0001-g0")
+        credit = CreditSection(reward_control=control)  # type: ignore[arg-type]
+        batch = assign_credit([group], credit)  # type: ignore[list-item]
+        want = control_rewards(rewards, control, "s0001-g0")
+        expected_adv = group_advantages(want, "rloo", [False] * 4).advantages
+        assert expected_adv is not None
+        assert list(batch.advantages) == pytest.approx(expected_adv.tolist())
+        moved = sum(a != b for a, b in zip(rewards, want, strict=True))
+        assert relabelled_members([group], credit) == moved  # type: ignore[list-item]
+        assert (moved == 0) == (control == "none") or want == rewards

@@ -186,7 +186,9 @@ class EvaluationSection:
     template_disjoint: bool = True
     environment_family_disjoint: bool = True
     repository_overlap_audit: Literal["exact_and_semantic", "exact"] = "exact_and_semantic"
-    dedup_rule_version: str = "v1"
+    # The held-out overlap rule the run's package implements (its overlap_rule; the terminal
+    # tasks': v2, exact files hash + 5-gram Jaccard at 0.8); another version is refused.
+    dedup_rule_version: str = "v2"
     # Preregistered learning-signal minimums (gate learning_signal): below either, the RL arm's
     # capability comparison is not measured.
     min_informative_group_fraction: float = 0.25
@@ -463,6 +465,7 @@ def _check_package(cfg: RunConfig) -> None:
     except EnvPackageError as exc:
         raise ConfigError("environment.factory" if env.factory else "environment.id",
                           str(exc)) from None
+    _check_overlap_rule(cfg, package)
     request = task_set_request(cfg, package)
     try:
         package.validate_options(request.options)
@@ -473,6 +476,22 @@ def _check_package(cfg: RunConfig) -> None:
         dotted = ("environment.options" if key is None else f"environment.{key}"
                   if key in package.config_keys else f"environment.options.{key}")
         raise ConfigError(dotted, str(exc)) from None
+
+
+def _check_overlap_rule(cfg: RunConfig, package: EnvPackage) -> None:
+    """``evaluation.dedup_rule_version`` names the overlap rule the package implements (its
+    ``overlap_rule``); a package that declares none accepts only the default."""
+    asked = cfg.evaluation.dedup_rule_version
+    if package.overlap_rule is None:
+        if asked != EvaluationSection().dedup_rule_version:
+            raise ConfigError("evaluation.dedup_rule_version", f"environment package "
+                              f"{package.env_id!r} declares no overlap audit: no rule version "
+                              f"{asked!r} can be honoured")
+        return
+    if asked != package.overlap_rule:
+        raise ConfigError("evaluation.dedup_rule_version", f"environment package "
+                          f"{package.env_id!r} implements overlap rule "
+                          f"{package.overlap_rule!r}, not {asked!r}")
 
 
 _GENERIC_ENV_KEYS = frozenset({

@@ -310,6 +310,14 @@ def _verifier(gates: GateReport) -> dict[str, Any] | None:
     return {**{k: gate.evidence.get(k) for k in keys}, "status": gate.status}
 
 
+def _overlap(run: RunDir, gates: GateReport) -> dict[str, Any]:
+    """The train / held-out overlap audit ``tasks.json`` recorded, and its gate."""
+    gate = next((g for g in gates.gates if g.name == "heldout_overlap"), None)
+    return {"audit": (run.tasks or {}).get("overlap"),
+            "gate": None if gate is None else {"passed": gate.passed, "status": gate.status,
+                                               "detail": gate.detail}}
+
+
 def build_report(run_dir: str | Path, gates: GateReport | None = None,
                  options: GateOptions | None = None) -> dict[str, Any]:
     """The report's data (JSON values only); ``gates`` are evaluated unless given."""
@@ -338,6 +346,7 @@ def build_report(run_dir: str | Path, gates: GateReport | None = None,
         "arms": arms,
         "retain_suites": _retain(run, seed),
         "verifier": _verifier(gates),
+        "overlap": _overlap(run, gates),
         "termination": _termination(run),
         "training": _training(run),
         "ledger": _ledger(run),

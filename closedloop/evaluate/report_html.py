@@ -247,6 +247,26 @@ def _diagnostics_html(diag: Mapping[str, Any]) -> str:
     return out
 
 
+def _overlap_html(overlap: Mapping[str, Any]) -> str:
+    audit, gate = overlap.get("audit"), overlap.get("gate") or {}
+    if not isinstance(audit, Mapping):
+        return f"<p>Held-out overlap audit: not recorded ({_fmt(gate.get('detail'))}).</p>"
+    pairs = [f"{p.get('heldout_id')} ~ {p.get('train_id')} ({p.get('similarity')})"
+             for key in ("exact_pairs", "near_pairs") for p in audit.get(key) or []
+             if isinstance(p, Mapping)]
+    rows: list[list[Any]] = [["rule version", audit.get("dedup_rule_version")],
+            ["train tasks", audit.get("n_train")], ["held-out tasks", audit.get("n_heldout")],
+            ["exact duplicate pairs", len(audit.get("exact_pairs") or [])],
+            ["near-duplicate pairs", len(audit.get("near_pairs") or [])],
+            ["max similarity (threshold)",
+             f"{_fmt(audit.get('max_similarity'))} ({_fmt(audit.get('threshold'))})"],
+            ["shared templates", audit.get("shared_templates") or "none"],
+            ["shared families (reported, not a leak)", audit.get("shared_families") or "none"],
+            ["flagged pairs", "; ".join(pairs[:10]) or "none"],
+            ["gate heldout_overlap", f"{gate.get('status')}: {gate.get('detail')}"]]
+    return _table(["", "value"], rows, "overlap-table")
+
+
 def _precision_html(precision: Any) -> str:
     """The run's resolved matmul precision and why (config.json's record)."""
     if not isinstance(precision, Mapping):
@@ -291,6 +311,7 @@ def render_html(report: Mapping[str, Any]) -> str:
         _zero_variance_html(report["zero_variance"]),
         "<h2>Retain suites</h2>", _retain_html(report["retain_suites"]),
         "<h2>Verifier audit</h2>", _verifier_html(report["verifier"]),
+        "<h2>Held-out overlap audit</h2>", _overlap_html(report.get("overlap") or {}),
         "<h2>Termination distribution</h2>",
         _table(["phase", "counts"], [[p, d] for p, d in term.items()]),
         _img(plot_termination(term), "termination distribution"),

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from closedloop.contracts import TrajectoryRecord
 from closedloop.errors import UnscorableRunError
 
-__all__ = ["KEYS_BY_TERMINATION", "require_scored"]
+__all__ = ["KEYS_BY_TERMINATION", "REMEDIES", "require_scored"]
 
 KEYS_BY_TERMINATION: Mapping[str, str] = {
     "max_step_truncation": "environment.max_turns",
@@ -28,6 +28,15 @@ KEYS_BY_TERMINATION: Mapping[str, str] = {
     "scheduler_cancel": "rollout.episode_deadline_s",
 }
 """The config key that decides each censoring termination code."""
+REMEDIES: Mapping[str, str] = {
+    "environment.max_turns": "raise it to at least the package's step budget, so an episode "
+                             "that runs out of steps is scored as a failure, not censored",
+    "rollout.max_action_tokens": "raise it (an action cut at the limit censors its episode), "
+                                 "or warm-start the policy on the environment's action format",
+    "rollout.episode_deadline_s": "raise it or set it to null",
+    "credit.censor_rule": "drop_censored keeps a group's scored members when two remain",
+}
+"""What to change for each key an unscorable step names."""
 
 
 def require_scored(trajectories: Iterable[TrajectoryRecord], where: str,
@@ -44,11 +53,8 @@ def require_scored(trajectories: Iterable[TrajectoryRecord], where: str,
     keys = [KEYS_BY_TERMINATION[c] for c, _ in codes.most_common() if c in KEYS_BY_TERMINATION]
     if censor_rule == "discard_group":
         keys.append("credit.censor_rule")
-    shown = "; ".join(f"{k} = {budgets[k]}" for k in keys if k in budgets)
-    advice = (f"Raise the limit that cut the episodes ({shown}), e.g. environment.max_turns to "
-              "at least the package's step budget, so an episode that runs out of steps is "
-              "scored as a failure instead of censored." if keys else
-              "Every episode was aborted or quarantined: check the environment and verifier "
-              "(closedloop check).")
+    advice = " ".join(f"{k} = {budgets.get(k)}: {REMEDIES[k]}." for k in keys) if keys else (
+        "Every episode was aborted or quarantined: check the environment and the verifier "
+        "(closedloop check).")
     raise UnscorableRunError(where, keys or ["(none: infrastructure or verifier)"],
                              dict(codes), advice)

@@ -116,3 +116,17 @@ def test_the_claim_is_led_by_the_reward_share(tmp_path: Path, gains: bool) -> No
         assert claim["gain"] is None and NULL in claim["failed_gates"]
     else:
         assert claim["gain"] is True and "the reward's share" in claim["statement"]
+
+
+def test_the_cli_prints_the_three_comparisons_by_suite(tmp_path: Path) -> None:
+    from closedloop.cli.text import report_lines
+    from closedloop.evaluate.report import write_report
+
+    _, json_path = write_report(clean_experiment(), gates=experiment_gates(), out_dir=tmp_path)
+    lines = report_lines(json_path)
+    head = lines.index("== what the reward caused, by suite: RL - shuffled (the reward's share) "
+                       "| RL - frozen | shuffled - frozen (the null) ==")
+    assert lines[head + 1].split() == ["held-out,", "template-disjoint", "+0.500", "[+0.500,",
+                                       "+0.500]", "|", "+0.500", "[+0.500,", "+0.500]", "|",
+                                       "+0.000", "[+0.000,", "+0.000]"]
+    assert lines[-1].startswith("claim: Capability gain: held-out success RL final - shuffled")

@@ -36,7 +36,8 @@ def test_every_episode_cut_at_the_turn_limit_names_max_turns() -> None:
     assert err.keys == ["environment.max_turns", "rollout.max_action_tokens",
                         "credit.censor_rule"]
     assert err.terminations == {"max_step_truncation": 3, "max_token_truncation": 1}
-    assert "environment.max_turns = 4" in str(err) and "RL step 0" in str(err)
+    assert "environment.max_turns = 4: raise it to at least the package's step budget" in \
+        str(err) and "RL step 0" in str(err)
 
 
 def test_cancelled_and_quarantined_episodes_name_their_cause() -> None:

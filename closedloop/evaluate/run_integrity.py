@@ -296,9 +296,33 @@ def verify_run_directory(run_dir: str | Path) -> RunProof:
     elif checkpoint_digest(ckpt) is not None and ckpt is not None:
         raise RunStateError(ledger_path, f"is missing, but checkpoint {ckpt.path.name} "
                             "recorded the digest of its rows", restore_advice("ledger.sqlite"))
-    check_agreement(root, point.survey, RunProgress.of(
-        root, consumed, staged_versions(root), metrics), point.ahead)
+    progress = RunProgress.of(root, consumed, staged_versions(root), metrics)
+    if any(r.get("kind") == "sft_only" for r in metrics):
+        _check_sft_only(root, progress)
+    else:
+        check_agreement(root, point.survey, progress, point.ahead)
     return RunProof(root, None if ckpt is None else ckpt.step, point.ahead, len(consumed))
+
+
+def _check_sft_only(run_dir: Path, progress: RunProgress) -> None:
+    """An SFT-only control (an experiment arm with an ``sft_only`` metrics record) trains no RL
+    step: it consumes no group, logs no ``rl_step``, and stages v0000 and the one final version
+    it publishes (``training.rl_steps`` of its config), nothing else."""
+    if progress.consumed_steps or progress.rl_steps_logged:
+        what = ("ledger.sqlite", "records consumed groups") if progress.consumed_steps else (
+            "metrics.jsonl", "holds rl_step records")
+        raise RunStateError(run_dir / what[0], f"{what[1]}, but the run is an SFT-only "
+                            "control, which trains no RL step", restore_advice(what[0]))
+    try:
+        final = int(json.loads((run_dir / "config.json").read_text("utf-8"))["config"]
+                    ["training"]["rl_steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        final = None
+    extra = [v for v in progress.versions if version_index(v) not in (0, final)]
+    if extra:
+        raise RunStateError(run_dir / "registry" / "versions" / extra[0], "is staged, but an "
+                            "SFT-only control publishes only v0000 and its final version",
+                            restore_advice("registry/"))
 
 
 def verify_run_dirs(paths: Iterable[str | Path]) -> list[RunProof]:

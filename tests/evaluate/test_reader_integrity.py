@@ -92,3 +92,36 @@ def test_an_experiment_is_refused_when_one_arm_is_damaged(
     _sql(exp / "arms" / "rloo", "UPDATE groups SET run_id = 'x' WHERE seq = 1")
     assert main(["report", str(exp)]) == 2
     assert str(exp / "arms" / "rloo" / "ledger.sqlite") in capsys.readouterr().err
+
+
+def test_an_sft_only_arm_is_proved_as_one(tmp_path: Path) -> None:
+    """The SFT-only control publishes v0000 and its final version with no RL checkpoint: the
+    proof accepts exactly that, and refuses a version it never publishes."""
+    import json
+
+    import torch
+
+    from closedloop.policy.registry import PolicyRegistry, version_name
+    from tests.evaluate.synthetic_run import template
+
+    arm = Path(shutil.copytree(clean_experiment() / "arms" / "sft_only", tmp_path / "sft"))
+    reg = PolicyRegistry(arm / "registry")
+    recorded = json.loads((arm / "config.json").read_text())
+    final = recorded["config"]["training"]["rl_steps"] = 2  # as the RL arm it is matched to
+    (arm / "config.json").write_text(json.dumps(recorded))
+
+    def stage(k: int) -> None:
+        staged = reg.stage({"w": torch.full((2, 2), float(k))}, template(),
+                           version=version_name(k))
+        reg.ack("gen-0", staged.version, staged.manifest.weight_checksum)
+        reg.publish(staged.version, require_acks_from=["gen-0"])
+
+    stage(final)
+    with pytest.raises(RunStateError, match="is staged"):  # not marked SFT-only yet
+        verify_run_directory(arm)
+    with open(arm / "metrics.jsonl", "a") as fh:
+        fh.write(json.dumps({"kind": "sft_only", "step": 0, "trained_action_tokens": 40}) + "\n")
+    assert verify_run_directory(arm).checkpoint_step is None
+    stage(final + 3)
+    with pytest.raises(RunStateError, match="publishes only v0000 and its final version"):
+        verify_run_directory(arm)

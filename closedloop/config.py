@@ -96,6 +96,9 @@ class RolloutSection:
     require_termination_reason: Literal[True] = True
     context_compaction: Literal[False] = False
     max_action_tokens: int = 96
+    # Wall-clock budget of one episode from its reset (null: none); an episode still running
+    # past it ends with scheduler_cancel at its next turn boundary: censored, never scored 0.
+    episode_deadline_s: float | None = None
     # The drift gate: a group whose D_sample (mean |log π_train^u - log π_beh^v| over its
     # action tokens, scored by the trainer before the update) exceeds it is quarantined
     # (sample_drift). null: D_sample is not measured before the update (no gate).
@@ -155,7 +158,12 @@ class CreditSection:
                        "turn_mass_conserving"] = "episode_sum"
     group_reward_scale: Literal["none", "std"] = "none"
     censor_rule: Literal["discard_group", "drop_censored"] = "discard_group"
-    reward_control: Literal["none", "shuffle_within_group"] = "none"
+    # The reward null of a control arm (closedloop.learn.null_control, docs/null-control.md):
+    # none (the real reward), shuffle_within_group, shuffle_flip_within_group (the shuffle,
+    # then a fair coin per group reflecting the rewards about their mean: zero expected update
+    # for update rules odd in the gradient too; the experiment's shuffled arm).
+    reward_control: Literal["none", "shuffle_within_group",
+                            "shuffle_flip_within_group"] = "none"
 
 
 @dataclass(frozen=True)
@@ -194,7 +202,9 @@ class EvaluationSection:
     template_disjoint: bool = True
     environment_family_disjoint: bool = True
     repository_overlap_audit: Literal["exact_and_semantic", "exact"] = "exact_and_semantic"
-    dedup_rule_version: str = "v1"
+    # The held-out overlap rule the run's package implements (its overlap_rule; the terminal
+    # tasks': v2, exact files hash + 5-gram Jaccard at 0.8); another version is refused.
+    dedup_rule_version: str = "v2"
     # Preregistered learning-signal minimums (gate learning_signal): below either, the RL arm's
     # capability comparison is not measured.
     min_informative_group_fraction: float = 0.25
@@ -229,6 +239,11 @@ class TrainingSection:
     # generator/trainer log-prob gap grows from ~1e-5 to ~1e-1: the audit bounds it by the bf16
     # same-engine baseline (consistency.tolerance_source), or by max_abs_tolerance ('fixed').
     precision: Literal["auto", "float32", "bfloat16"] = "auto"
+    # The package check a run's first launch runs before anything is written
+    # (closedloop.evaluate.package_check: the environment contract checker and the verifier
+    # FP/FN audit; a failure stops the launch): full (every fixture, the preregistered bounds),
+    # quick (one task and its fixtures, no disagreement allowed), off (recorded as not checked).
+    package_check: Literal["full", "quick", "off"] = "full"
 
 
 @dataclass(frozen=True)
@@ -340,6 +355,10 @@ def _check_ranges(cfg: RunConfig) -> None:
             raise ConfigError(key, "must be >= 1")
     if cfg.rollout.group_size < 2:
         raise ConfigError("rollout.group_size", "group-relative credit needs at least 2 siblings")
+    deadline = cfg.rollout.episode_deadline_s
+    if deadline is not None and not deadline > 0:
+        raise ConfigError("rollout.episode_deadline_s", f"must be > 0 seconds or null, got "
+                          f"{deadline}")
     _check_freshness(cfg, _check_objective(cfg))
     for key in ("consistency.max_abs_log_ratio", "consistency.max_abs_tolerance"):
         section, name = key.split(".")
@@ -477,6 +496,7 @@ def _check_package(cfg: RunConfig) -> None:
     except EnvPackageError as exc:
         raise ConfigError("environment.factory" if env.factory else "environment.id",
                           str(exc)) from None
+    _check_overlap_rule(cfg, package)
     request = task_set_request(cfg, package)
     try:
         package.validate_options(request.options)
@@ -487,6 +507,22 @@ def _check_package(cfg: RunConfig) -> None:
         dotted = ("environment.options" if key is None else f"environment.{key}"
                   if key in package.config_keys else f"environment.options.{key}")
         raise ConfigError(dotted, str(exc)) from None
+
+
+def _check_overlap_rule(cfg: RunConfig, package: EnvPackage) -> None:
+    """``evaluation.dedup_rule_version`` names the overlap rule the package implements (its
+    ``overlap_rule``); a package that declares none accepts only the default."""
+    asked = cfg.evaluation.dedup_rule_version
+    if package.overlap_rule is None:
+        if asked != EvaluationSection().dedup_rule_version:
+            raise ConfigError("evaluation.dedup_rule_version", f"environment package "
+                              f"{package.env_id!r} declares no overlap audit: no rule version "
+                              f"{asked!r} can be honoured")
+        return
+    if asked != package.overlap_rule:
+        raise ConfigError("evaluation.dedup_rule_version", f"environment package "
+                          f"{package.env_id!r} implements overlap rule "
+                          f"{package.overlap_rule!r}, not {asked!r}")
 
 
 _GENERIC_ENV_KEYS = frozenset({

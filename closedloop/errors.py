@@ -99,6 +99,12 @@ class TamperDetected(ClosedloopError):
     """The verifier found evidence the agent tampered with grading; quarantine the episode."""
 
 
+class VerifierFailure(ClosedloopError):
+    """A verifier declares it cannot decide this state (its own timeout, a resource or sandbox
+    limit it enforces): the episode is left unscored (``verifier_failure: ...``). Any exception a
+    verifier raises that is not a declared failure is a programming error and stops the run."""
+
+
 class ConfigError(ClosedloopError):
     """A run config is invalid; carries ``key`` (the dotted path) and ``reason``."""
 
@@ -514,6 +520,18 @@ class UnknownGateError(ClosedloopError, KeyError):
     """``evaluate_gates`` was asked for gate names it does not have (the message lists them)."""
 
 
+class PackageCheckError(ClosedloopError):
+    """An environment package failed its check (the environment contract checker or the
+    verifier FP/FN audit) before training; carries ``env_id`` and ``problems``."""
+
+    def __init__(self, env_id: str, problems: Sequence[str]) -> None:
+        super().__init__(f"environment package {env_id!r} failed its check: "
+                         + "; ".join(problems) + " (run `closedloop check` on it for the "
+                         "report; training.package_check names the mode)")
+        self.env_id = env_id
+        self.problems = list(problems)
+
+
 # --------------------------------------------------------------------------- runs
 
 
@@ -538,6 +556,20 @@ class RunStateError(RunDirectoryError):
 
 class RunLockedError(RunDirectoryError):
     """Another process holds the run directory."""
+
+
+class UnscorableRunError(ClosedloopError):
+    """A run cannot produce a scored episode (every episode of an RL step censored or
+    quarantined), so it cannot train; carries ``keys`` (the config keys that decide the
+    censoring) and ``terminations`` (the counts by code)."""
+
+    def __init__(self, where: str, keys: Sequence[str], terminations: dict[str, int],
+                 advice: str) -> None:
+        shown = ", ".join(f"{k} {n}" for k, n in sorted(terminations.items()))
+        super().__init__(f"{where}: no episode was scored ({shown}), so nothing can train; "
+                         f"the keys that decide it: {', '.join(keys)}. {advice}")
+        self.keys = list(keys)
+        self.terminations = dict(terminations)
 
 
 class RunNotReadyError(ClosedloopError, RuntimeError):

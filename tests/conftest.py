@@ -49,6 +49,6 @@ def short_run_config(model_dir: Path, rl_steps: int) -> dict[str, object]:
         "evaluation": {"attempts_per_task": 1, "retain_suites": [], "curve_points": 2,
                        "environment_family_disjoint": False, "cold_start_train_eval": False},
         "training": {"rl_steps": rl_steps, "groups_per_step": 2, "learning_rate": 1e-3,
-                     "seed": SEED},
+                     "seed": SEED, "package_check": "quick"},
         "sft": {"enabled": False},
     }

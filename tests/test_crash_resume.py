@@ -84,7 +84,7 @@ def run_config(model_dir: Path) -> dict[str, Any]:
         "credit": {"censor_rule": "drop_censored"},
         "evaluation": {"attempts_per_task": 1, "retain_suites": []},
         "training": {"rl_steps": RL_STEPS, "groups_per_step": GROUPS_PER_STEP,
-                     "learning_rate": 1e-3, "seed": SEED},
+                     "learning_rate": 1e-3, "seed": SEED, "package_check": "quick"},
         "sft": {"enabled": False},
     }
 

@@ -1,6 +1,8 @@
 """The four-arm experiment run end to end on the tiny agent: every suite the config asks for
-is evaluated for the arms that answer it, and an arm finished before a suite was evaluated gets
-that evaluation on resume, without training again."""
+is evaluated for the arms that answer it (the retain suites included: they run and report),
+the null relabels rewards, the SFT-only arm trains the RL arm's action tokens within the
+declared tolerance, and an arm finished before a suite was evaluated gets that evaluation on
+resume, without training again."""
 
 from __future__ import annotations
 
@@ -22,12 +24,24 @@ pytestmark = pytest.mark.slow
 def _run(exp: Path, model: Path) -> dict[str, object]:
     data = short_run_config(model, 1)
     data["evaluation"]["cold_start_train_eval"] = True  # type: ignore[index]
+    data["evaluation"]["retain_suites"] = ["safety"]  # type: ignore[index]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         return run_experiment(parse_config(data), exp)
     finally:
         torch.set_num_threads(threads)
+
+
+def load_episodes_by_group(arm: Path) -> list[list[float | None]]:
+    """The task success of every member of every RL step group of an arm."""
+    from closedloop.contracts import load_episodes
+
+    groups: dict[str, list[float | None]] = {}
+    for path in sorted((arm / "traces").glob("step-*.jsonl")):
+        for ep in load_episodes(path)[1]:
+            groups.setdefault(ep.trajectory.group_id, []).append(ep.trajectory.task_success)
+    return list(groups.values())
 
 
 def _rl_steps(arm: Path) -> int:
@@ -59,6 +73,9 @@ def test_the_train_suite_is_compared_for_the_rl_arm_and_its_null_and_filled_in_o
     phases = [p["phase"] for p in result["phases_this_launch"]]
     assert phases[0] == "cold start (the frozen arm)" and "arm sft_only" in phases
     assert {"eval start", "audit", "rl step 0", "arm rloo", "arm shuffled"} <= set(phases)
+    # every arm passes the read-only proof the reading commands run (the SFT-only arm as one)
+    from closedloop.evaluate.rundir import verify_reading
+    assert len(verify_reading(exp)) == 4
     full = build_report(exp / "arms" / "rloo")
     assert full["run"]["precision"]["precision"] == "float32"
     assert "id='precision'>Precision: float32" in render_html(full)
@@ -67,6 +84,36 @@ def test_the_train_suite_is_compared_for_the_rl_arm_and_its_null_and_filled_in_o
     assert report["comparison"]["estimate"] == train["arms"]["rloo"]["diff_vs_frozen"]["estimate"]
     assert report["control"]["what"] == ("shuffled final - frozen start "
                                          "(train tasks, in distribution)")
+
+    # the retain suite ran at the start (the cold start) and for both RL arms' final policies,
+    # and reports: in the RL arm's metrics and summary, and on the claim's and the null's rows
+    frozen, rloo, shuffled = (exp / "arms" / n for n in ("frozen", "rloo", "shuffled"))
+    assert (frozen / "traces" / "eval-retain-start.jsonl").is_file()
+    for arm in (rloo, shuffled):
+        assert (arm / "traces" / "eval-retain-final.jsonl").is_file()
+    retain = [r for r in read_metrics(rloo / "metrics.jsonl") if r["kind"] == "retain"]
+    assert len(retain) == 1 and set(retain[0]["suites"]) == {"safety"}
+    assert json.loads((rloo / "summary.json").read_text())["retain_delta"] is not None
+    assert full["retain_suites"]["measured"] is True
+    row = full["claim_by_suite"]["retain:safety"]
+    assert row["rl_minus_null"]["what"] == "RL final - shuffled final (retain: safety)"
+    assert row["null_minus_frozen"]["what"] == "shuffled final - frozen (retain: safety)"
+    episodes = full["diagnostics"]["arms"]["retain:safety"]  # each arm's six safety tasks
+    assert {role: d["episodes"] for role, d in episodes.items()} == {
+        "frozen": 6, "rl": 6, "shuffled": 6}
+
+    # the null relabels rewards (a shuffle that is the identity trains the RL arm again); the
+    # RL arm trains on its real rewards
+    relabelled = {name: sum(r["credit"]["relabelled_members"] for r in read_metrics(
+        exp / "arms" / name / "metrics.jsonl") if r["kind"] == "rl_step")
+        for name in ("rloo", "shuffled")}
+    mixed = [g for g in load_episodes_by_group(shuffled)
+             if len({s for s in g if s is not None}) > 1]
+    assert mixed, "the shuffled arm drew no group with mixed outcomes: nothing to relabel"
+    assert relabelled["rloo"] == 0 and relabelled["shuffled"] > 0, relabelled
+    # the SFT-only control trains the RL arm's action tokens, within the declared tolerance
+    match = result["token_match"]
+    assert match["within"] is True and match["rl"] > 0, match
 
     # An experiment directory written before the train suite was evaluated: the finished
     # arms are evaluated on it when the experiment is run again, and train nothing more.

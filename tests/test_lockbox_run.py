@@ -101,6 +101,8 @@ def test_closedloop_train_runs_two_rl_steps_on_the_lockbox(trained: dict[str, An
     assert len(first_prompt) > 0
     assert manifest.tool_schema_hash == registry.manifest(version_name(0)).tool_schema_hash
     assert (run / "summary.json").is_file()
+    check = json.loads((run / "package_check.json").read_text())  # before the first step
+    assert check["passed"] and check["mode"] == "full" and check["env_id"] == ENV_ID
     template = json.loads((run / "template.json").read_text())
     assert template  # the append-only check ran on the lockbox's scaffold
 

@@ -69,7 +69,8 @@ def config(model_dir: Path) -> dict[str, Any]:
         "rollout": {"group_size": 4, "max_action_tokens": 64},
         "credit": {"censor_rule": "drop_censored"},
         "evaluation": {"attempts_per_task": 1, "retain_suites": []},
-        "training": {"rl_steps": 1, "groups_per_step": 1, "precision": "bfloat16"},
+        "training": {"rl_steps": 1, "groups_per_step": 1, "precision": "bfloat16",
+                     "package_check": "quick"},
         "sft": {"enabled": False},
     }
 

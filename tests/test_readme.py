@@ -110,9 +110,11 @@ def _readme_config() -> dict[str, Any]:
 
 
 @pytest.mark.slow  # closedloop train end to end (warm start, evaluations, audit, one RL step)
-def test_the_environment_example_trains_through_closedloop_train(
+def test_the_environment_example_runs_through_closedloop_train(
         lock_module: Path, tiny_agent_dir: Path) -> None:
-    from closedloop.cli import main
+    from closedloop.config import load_config
+    from closedloop.errors import UnscorableRunError
+    from closedloop.training.loop import train
 
     config = _readme_config()
     assert config["environment"]["factory"] == "lock:lock_package"
@@ -130,10 +132,13 @@ def test_the_environment_example_trains_through_closedloop_train(
     path = lock_module / "lock.yaml"
     path.write_text(yaml.safe_dump(config), encoding="utf-8")
     run = lock_module / "runs" / "lock"
-    assert main(["train", str(path), "--run-dir", str(run)]) == 0
+    # the tiny model was taught terminal actions, not the lock's: in the lock world every one
+    # of its actions runs past the token limit, nothing is scored, and the run stops naming the
+    # key instead of ending well having trained nothing (closedloop.evaluate.scorable)
+    with pytest.raises(UnscorableRunError) as info:
+        train(load_config(path), run)
+    assert info.value.keys[0] == "rollout.max_action_tokens"
     assert json.loads((run / "tasks.json").read_text())["env_id"] == "lock-v1"
-    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in steps if m["kind"] == "rl_step"] == [0]
     trace = (run / "traces" / "step-0000.jsonl").read_text().splitlines()
     trajectories = [r for r in map(json.loads, trace) if r["record"] == "trajectory"]
     assert len(trajectories) == 2 and {t["env_version"] for t in trajectories} == {"lock-v1"}

@@ -46,6 +46,7 @@ def test_config_drift_is_refused_unless_declared_and_the_override_is_recorded(
         tmp_path: Path) -> None:
     check_config(tmp_path, CONFIG, META)
     recorded = (tmp_path / "config.json").read_text()
+    (tmp_path / "metrics.jsonl").write_text('{"kind": "sft", "step": 0}\n')  # work was done
     check_config(tmp_path, CONFIG, META)  # the same config: accepted, nothing rewritten
     changed = {**CONFIG, "training": {"learning_rate": 1e-4, "rl_steps": 8}}
     with pytest.raises(ConfigDriftError) as info:
@@ -63,6 +64,32 @@ def test_config_drift_is_refused_unless_declared_and_the_override_is_recorded(
                                               "differences": accepted}
     assert len(launches) == 3  # the refused launch left no line
     check_config(tmp_path, changed, META)  # the new config is now the recorded one
+
+
+def test_a_relaunch_after_a_launch_that_did_no_work_takes_the_new_config(
+        tmp_path: Path) -> None:
+    """A first launch that stopped during set-up (a factory that failed, a failed package
+    check) left config.json and tasks.json but no work: a fixed relaunch with another config
+    is a first launch again (the reason recorded), not config drift; once work exists, it is."""
+    from closedloop.training.integrity import check_tasks
+
+    check_config(tmp_path, CONFIG, META)
+    (tmp_path / "tasks.json").write_text(json.dumps({"train": ["a"], "heldout": ["b"]}))
+    for sub in ("traces", "checkpoints", "sft"):
+        (tmp_path / sub).mkdir()  # made by every launch before its set-up
+    Ledger(tmp_path / "ledger.sqlite").close()  # an empty ledger is no work either
+    fixed = {**CONFIG, "model": "fixed"}
+    assert check_config(tmp_path, fixed, META) == ["model: \"m\" -> \"fixed\""]
+    launch = json.loads((tmp_path / "launches.jsonl").read_text().splitlines()[-1])
+    assert "before its first piece of work" in launch["config_override"]["reason"]
+    recorded = (tmp_path / "tasks.json").read_bytes()
+    check_tasks(tmp_path / "tasks.json", recorded, {"train": ["c"], "heldout": ["b"]}, None)
+    (tmp_path / "traces" / "step-0000.jsonl").write_text("")  # work: now drift is refused
+    with pytest.raises(ConfigDriftError):
+        check_config(tmp_path, CONFIG, META)
+    with pytest.raises(ConfigDriftError, match="train task ids"):
+        check_tasks(tmp_path / "tasks.json", recorded, {"train": ["c"], "heldout": ["b"]},
+                    None)
 
 
 def test_an_unreadable_recorded_config_is_refused_naming_it(tmp_path: Path) -> None:

@@ -1,7 +1,7 @@
 """The ``closedloop`` command. Every subcommand takes ``--json`` for machine-readable output.
 
-One module per command group: ``env_commands`` (``tasks``, ``play``, ``replay``, ``collect``:
-the commands that take an environment), ``run_commands`` (``train``, ``experiment``,
+One module per command group: ``env_commands`` (``tasks``, ``check``, ``play``, ``replay``,
+``collect``: the commands that take an environment), ``run_commands`` (``train``, ``experiment``,
 ``smoke``, ``reevaluate``: the commands that run training or evaluation), ``run_dir_commands``
 (``gates``, ``report``, ``export``: the commands that read a finished run directory);
 ``parser`` builds the argument parser and ``text`` formats results for the terminal.
@@ -28,4 +28,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.fn(args))
     except ClosedloopError as exc:
         print(f"closedloop: {type(exc).__name__}: {exc}", file=sys.stderr)
+        for note in getattr(exc, "__notes__", ()):
+            print(f"closedloop: {note}", file=sys.stderr)
         return 2

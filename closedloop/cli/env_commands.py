@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from closedloop.cli.run_dir_commands import verified
 from closedloop.cli.text import emit
 from closedloop.errors import EnvPackageError
 
@@ -56,6 +57,20 @@ def cmd_tasks(args: argparse.Namespace) -> int:
                         for k, v in sorted(info.details.items()))])
     emit(data, args.json, text)
     return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    """The package check (``closedloop.evaluate.package_check``): the environment contract
+    checker and the verifier FP/FN audit; exit 0 when it passes, 1 when it fails."""
+    from closedloop.envs.discovery import resolve_package
+    from closedloop.evaluate.package_check import check_environment_package
+
+    target = args.package
+    package = command_package(args) if target is None else resolve_package(
+        None if ":" in target else target, target if ":" in target else None)
+    result = check_environment_package(package, "quick" if args.quick else "full")
+    emit(result.to_dict(), args.json, "\n".join(result.lines()))
+    return 0 if result.passed else 1
 
 
 def cmd_play(args: argparse.Namespace) -> int:
@@ -130,6 +145,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
     """Re-execute a trace's recorded actions; exit 1 unless everything reproduces."""
     from closedloop.rollout.replay import replay_trace
 
+    trace = Path(args.trace)
+    if trace.parent.name == "traces" and (trace.parent.parent / "config.json").is_file():
+        verified(trace.parent.parent)  # a trace of a run directory: prove the run first
     package = _replay_package(args)
     report = replay_trace(args.trace, package.make_env, package.verifier())
     data = {"trace": report.path, "env_id": package.env_id, "ok": report.ok, **report.counts(),

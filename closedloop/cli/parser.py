@@ -6,7 +6,13 @@ from __future__ import annotations
 import argparse
 from typing import TypeAlias
 
-from closedloop.cli.env_commands import cmd_collect, cmd_play, cmd_replay, cmd_tasks
+from closedloop.cli.env_commands import (
+    cmd_check,
+    cmd_collect,
+    cmd_play,
+    cmd_replay,
+    cmd_tasks,
+)
 from closedloop.cli.run_commands import cmd_experiment, cmd_reevaluate, cmd_smoke, cmd_train
 from closedloop.cli.run_dir_commands import cmd_export, cmd_gates, cmd_report
 
@@ -35,12 +41,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_env_commands(sub: _Subcommands) -> list[argparse.ArgumentParser]:
-    """``tasks``, ``play``, ``replay`` and ``collect``: the commands that take an environment."""
+    """``tasks``, ``check``, ``play``, ``replay`` and ``collect``: the commands that take an
+    environment."""
     t = sub.add_parser("tasks", help="list or show tasks")
     t.add_argument("action", choices=["list", "show"])
     t.add_argument("task_id", nargs="?")
     t.add_argument("--split", choices=["train", "heldout"])
     t.set_defaults(fn=cmd_tasks)
+    ck = sub.add_parser("check", help="check an environment package: the env contract checker "
+                        "and the verifier FP/FN audit (what train runs before its first step)")
+    ck.add_argument("package", nargs="?", metavar="PACKAGE",
+                    help="a registered environment id or a dotted 'pkg.module:attr' factory "
+                         "(default: --env/--env-factory/--config, else the terminal tasks)")
+    ck.add_argument("--quick", action="store_true",
+                    help="one task, one seed and its fixtures (no disagreement allowed)")
+    ck.set_defaults(fn=cmd_check)
     pl = sub.add_parser("play", help="play one episode with a scripted policy")
     pl.add_argument("task_id")
     pl.add_argument("--policy", choices=["expert", "noisy", "random"], default="expert")
@@ -67,7 +82,7 @@ def _add_env_commands(sub: _Subcommands) -> list[argparse.ArgumentParser]:
                     "natively, float32 elsewhere)")
     co.add_argument("--out", help="trace path (default runs/collect/<time>.jsonl)")
     co.set_defaults(fn=cmd_collect)
-    return [t, pl, r, co]
+    return [t, ck, pl, r, co]
 
 
 def _add_run_commands(sub: _Subcommands) -> list[argparse.ArgumentParser]:

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from closedloop.cli.run_dir_commands import verified
 from closedloop.cli.text import (
     arm_lines,
     emit,
@@ -47,6 +48,7 @@ def cmd_reevaluate(args: argparse.Namespace) -> int:
     from closedloop.experiments.reevaluate import reevaluate, reevaluate_experiment
 
     runs = [Path(p) for p in args.runs]
+    verified(*runs, *([args.baseline] if args.baseline else []))
     if args.baseline:
         result = reevaluate(Path(args.baseline), runs, args.attempts, args.suite, args.step)
     elif len(runs) == 1:

@@ -1,10 +1,23 @@
-"""``gates``, ``report`` and ``export``: the commands that read a finished run directory."""
+"""``gates``, ``report`` and ``export``: the commands that read a finished run directory.
+
+Every command that reads a run directory (these, ``reevaluate`` and ``replay`` of a run's
+trace) first runs ``verified``: the read-only proof ``closedloop train`` runs before its first
+step (``closedloop.evaluate.run_integrity``), which stops naming the file that disagrees."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from closedloop.cli.text import emit
+
+
+def verified(*paths: str | Path) -> None:
+    """The read-only integrity proof of every run directory under ``paths`` (a run, an
+    experiment's arms, a replicates directory); raises the named error naming the file."""
+    from closedloop.evaluate.rundir import verify_reading
+
+    verify_reading(*paths)
 
 
 def cmd_gates(args: argparse.Namespace) -> int:
@@ -12,6 +25,7 @@ def cmd_gates(args: argparse.Namespace) -> int:
     not-measured gates remain (2: not a run directory)."""
     from closedloop.evaluate.gates import evaluate_gates, format_table
 
+    verified(args.run_dir)
     report = evaluate_gates(args.run_dir)
     emit(report.to_dict(), args.json, format_table(report))
     return report.exit_code
@@ -21,6 +35,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     """Write report.html and report.json for a run (or experiment) directory."""
     from closedloop.evaluate.report import write_report
 
+    verified(args.run_dir)
     html_path, json_path = write_report(args.run_dir)
     emit({"html": str(html_path), "json": str(json_path)}, args.json,
            f"report: {html_path}\ndata: {json_path}")
@@ -32,6 +47,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     reading them back)."""
     from closedloop.export import export_run
 
+    verified(args.run_dir)
     result = export_run(args.run_dir, args.format, args.out, overwrite=args.overwrite)
     data = {"path": str(result.path), "format": result.format, "counts": dict(result.counts)}
     counts = ", ".join(f"{n} {k}" for k, n in result.counts.items())

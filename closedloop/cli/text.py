@@ -64,7 +64,24 @@ def report_lines(report_json: Path) -> list[str]:
                 lines.append(paired_line(title, c))
             elif key == "control" and suite.get("comparison", {}).get("measured"):
                 lines.append(f"{title} control: not measured ({c.get('detail')})")
+    lines += claim_suite_lines(rep.get("claim_by_suite") or {})
     lines.append(f"claim: {rep['claim']['statement']}")
+    return lines
+
+
+def claim_suite_lines(claims: dict[str, Any]) -> list[str]:
+    """Per suite: RL − shuffled (the reward's share), RL − frozen, shuffled − frozen."""
+    if not claims:
+        return []
+    lines = ["== what the reward caused, by suite: RL - shuffled (the reward's share) | "
+             "RL - frozen | shuffled - frozen (the null) =="]
+    for c in claims.values():
+        cells = []
+        for key in ("rl_minus_null", "rl_minus_frozen", "null_minus_frozen"):
+            d = c.get(key) or {}
+            cells.append(f"{d['estimate']:+.3f} [{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}]"
+                         if d.get("measured") else "-")
+        lines.append(f"{c['title']:32} " + " | ".join(cells))
     return lines
 
 

@@ -26,7 +26,11 @@ from an environment; nothing outside the package knows its tasks, tools or verif
   (``closedloop.contracts.fixture.AdjudicatedFixture``) for the verifier FP/FN gate;
   ``retain_tasks(suites)``: retain-suite task ids; ``config_keys``: the package's own keys of
   the config's ``environment`` section, passed to ``task_sets`` in ``TaskSetRequest.options``;
-  ``check_options(options)``: validates those options when the config is loaded.
+  ``check_options(options)``: validates those options when the config is loaded;
+  ``overlap_rule``: the version of the held-out overlap rule its task sets' audit implements
+  (``EnvTaskSets.audit["overlap"]``, read by the ``heldout_overlap`` gate; the config's
+  ``evaluation.dedup_rule_version`` must name it). ``None``: the package declares no overlap
+  audit.
 
 The simple route: write a ``Rules`` (``opening(task_id, seed) -> Opening`` and
 ``apply(world, action) -> Outcome`` over a plain JSON world) and ``closedloop.envs.sim`` turns it
@@ -96,7 +100,12 @@ class EnvTaskSets:
 
     suites: further evaluation suites by name (``family``: the family-disjoint suite), each
     disjoint from ``train``. discarded: notes on candidates a solvability filter rejected.
-    audit: JSON values written into the run's ``tasks.json`` (e.g. ``{"overlap": ...}``).
+    audit: JSON values written into the run's ``tasks.json``. ``overlap``, when the package
+    declares an overlap rule (``EnvPackage.overlap_rule``), is the train / held-out overlap
+    audit the ``heldout_overlap`` gate reads: ``dedup_rule_version``, ``n_train``,
+    ``n_heldout``, ``exact_pairs`` and ``near_pairs`` (lists of ``{train_id, heldout_id,
+    similarity}``: a held-out task that duplicates or near-duplicates a train task),
+    ``shared_templates`` (template leakage), ``threshold`` and ``max_similarity``.
     """
 
     train: tuple[str, ...]
@@ -153,6 +162,7 @@ class EnvPackage:
     config_keys: tuple[str, ...] = ()
     description: str = ""
     check_options: Callable[[Mapping[str, Any]], None] | None = None
+    overlap_rule: str | None = None
 
     def __post_init__(self) -> None:
         where = f"environment package {self.env_id!r}"
@@ -171,6 +181,10 @@ class EnvPackage:
         if not isinstance(self.system_prompt, str) or not self.system_prompt.strip():
             raise EnvPackageError(f"{where}: system_prompt must be non-empty text")
         _check_schemas(where, self.tool_schemas)
+        if self.overlap_rule is not None and (not isinstance(self.overlap_rule, str)
+                                              or not self.overlap_rule):
+            raise EnvPackageError(f"{where}: overlap_rule must be a non-empty version string "
+                                  "or None")
         unknown = sorted(set(self.scripted) - set(SCRIPTED_KINDS))
         if unknown or not all(callable(f) for f in self.scripted.values()):
             raise EnvPackageError(f"{where}: scripted maps {list(SCRIPTED_KINDS)} to "
@@ -188,7 +202,8 @@ class EnvPackage:
             self.check_options(options)
 
     def verifier(self) -> GuardedVerifier:
-        """A fresh verifier, guarded: its own errors become unscored results, never raise."""
+        """A fresh verifier, guarded: its declared failures become unscored results; any other
+        error it raises stops the run (``closedloop.contracts.verification``)."""
         return guarded(self.make_verifier())
 
     def family_split(self, task_id: str) -> tuple[str, str]:

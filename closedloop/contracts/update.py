@@ -95,7 +95,11 @@ class ObjectiveOutput(NamedTuple):
     Gradient mass uses the per-token coefficient c_it = ∂loss/∂log πθ(a_it), computed
     analytically (no backward); ``grad_coef_B_T`` holds it. The mass of episode i is
     m_i = Σ_t |c_it|, ``grad_mass_total`` is Σ_i m_i and the other ``grad_mass_*`` fields are
-    shares of it in [0, 1] (successful vs failed episodes, length bands).
+    shares of it in [0, 1] (successful vs failed episodes, length bands). ``grad_mass_clipped_pos``
+    / ``_neg`` are the policy-gradient mass a clip removed, Σ |A_i| w_it ρ_it over the clipped
+    tokens of episodes with A_i > 0 / A_i < 0 (absolute, in the units of ``grad_mass_total``;
+    ``None`` for an objective without a clip): an asymmetry between them is a push the clip
+    makes whatever the rewards mean (docs/null-control.md).
 
     Ratio tails are statistics of log ρ = log πθ - log π_beh over the action tokens;
     ``log_ratio_N`` holds those per-token values (detached, float64, flat in row-major order of
@@ -126,6 +130,8 @@ class ObjectiveOutput(NamedTuple):
     grad_mass_short: float | None
     grad_mass_medium: float | None
     grad_mass_long: float | None
+    grad_mass_clipped_pos: float | None
+    grad_mass_clipped_neg: float | None
     grad_coef_B_T: torch.Tensor
     log_ratio_N: torch.Tensor
     n_episodes: int
@@ -150,7 +156,8 @@ _METRIC_GROUPS: dict[str, str] = {
     **dict.fromkeys(("ratio_p50", "ratio_p95", "ratio_p99", "ratio_max", "abs_log_ratio_mean",
                      "abs_log_ratio_p99", "abs_log_ratio_max"), "ratio"),
     **dict.fromkeys(("grad_mass_total", "grad_mass_success", "grad_mass_failure",
-                     "grad_mass_short", "grad_mass_medium", "grad_mass_long"), "grad_mass"),
+                     "grad_mass_short", "grad_mass_medium", "grad_mass_long",
+                     "grad_mass_clipped_pos", "grad_mass_clipped_neg"), "grad_mass"),
     **dict.fromkeys(("n_episodes", "n_action_tokens", "n_empty_episodes"), "batch"),
 }
 

@@ -13,10 +13,15 @@ with the reason (tampering, a corrupt state, a verifier failure). Unscored is ne
 record checks itself on construction (``ContractError``).
 
 ``guarded`` wraps any verifier in a ``GuardedVerifier``, which enforces the contract at the
-boundary: the verifier's own exception types, a wrong return type or a result for another task
-become an unscored result whose reason names the error (a score outside the contract cannot be
-built at all), so a user verifier that crashes quarantines the episode instead of stopping the
-run. ``EnvPackage.verifier()`` returns its verifier guarded.
+boundary. Only *declared* verifier failures become unscored results whose reason names the
+error (``DECLARED_FAILURES``): ``VerifierFailure`` (the verifier's own timeout or limit),
+``InfrastructureError`` and the built-in ``TimeoutError`` (the sandbox or a worker under it
+failed), ``TamperDetected`` (``tamper_detected: ...``) and ``StateDecodeError`` (corrupt state
+bytes, ``invalid_state: ...``). Anything else a verifier raises (a ``TypeError``, a
+``KeyError``, a score outside the contract, which cannot be built) is a programming error: it
+propagates with its traceback and a note naming the verifier and the task, and stops the run. A
+wrong return type or a result for another task is one too (``ContractError``).
+``EnvPackage.verifier()`` returns its verifier guarded.
 """
 
 from __future__ import annotations
@@ -26,12 +31,29 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from closedloop.errors import ContractError
+from closedloop.errors import (
+    ContractError,
+    InfrastructureError,
+    StateDecodeError,
+    TamperDetected,
+    VerifierFailure,
+)
 
-__all__ = ["SUCCESS_KEY", "GuardedVerifier", "ScoreResult", "TaskVerifier", "guarded"]
+__all__ = ["DECLARED_FAILURES", "SUCCESS_KEY", "GuardedVerifier", "ScoreResult", "TaskVerifier",
+           "guarded"]
 
 SUCCESS_KEY = "task_success"
 """The reward component every scored result holds, in [0, 1]."""
+
+DECLARED_FAILURES: tuple[tuple[type[BaseException], str], ...] = (
+    (TamperDetected, "tamper_detected"),
+    (StateDecodeError, "invalid_state"),
+    (VerifierFailure, "verifier_failure"),
+    (InfrastructureError, "verifier_failure"),
+    (TimeoutError, "verifier_failure"),
+)
+"""The exceptions a verifier may raise to leave an episode unscored, each with the reason's
+prefix (first match wins); every other exception stops the run."""
 
 
 @dataclass(frozen=True)
@@ -118,7 +140,7 @@ class TaskVerifier(Protocol):
 
 @dataclass(frozen=True)
 class GuardedVerifier:
-    """A ``TaskVerifier`` whose failures become unscored results (see ``guarded``)."""
+    """A ``TaskVerifier`` whose declared failures become unscored results (see ``guarded``)."""
 
     inner: TaskVerifier
 
@@ -128,22 +150,37 @@ class GuardedVerifier:
         return str(self.inner.verifier_version)
 
     def score_or_quarantine(self, task_id: str, final_state: bytes) -> ScoreResult:
-        """The inner verifier's result, or ``verifier_error: <Type>: <message>`` unscored."""
+        """The inner verifier's result, or ``<prefix>: <Type>: <message>`` unscored for a
+        declared failure (``DECLARED_FAILURES``); raise anything else (a programming error)."""
         version = self.verifier_version
         try:
             result = self.inner.score_or_quarantine(task_id, final_state)
-        except Exception as exc:  # a user verifier's own error types are reported, not raised
-            return ScoreResult.unscored(task_id, f"verifier_error: {type(exc).__name__}: "
+        except Exception as exc:
+            prefix = _declared_prefix(exc)
+            if prefix is None:
+                exc.add_note(f"raised by verifier {version!r} scoring task {task_id!r} (a "
+                             "programming error: only declared failures, e.g. VerifierFailure, "
+                             "leave an episode unscored)")
+                raise
+            return ScoreResult.unscored(task_id, f"{prefix}: {type(exc).__name__}: "
                                         f"{exc}"[:500], version)
         if not isinstance(result, ScoreResult):
-            return ScoreResult.unscored(task_id, "verifier_error: score_or_quarantine returned "
-                                        f"{type(result).__name__}, not a ScoreResult", version)
+            raise ContractError(f"verifier {version!r}: score_or_quarantine({task_id!r}) "
+                                f"returned {type(result).__name__}, not a ScoreResult")
         if result.task_id != task_id:
-            return ScoreResult.unscored(task_id, f"verifier_error: asked for {task_id!r}, "
-                                        f"scored {result.task_id!r}", version)
+            raise ContractError(f"verifier {version!r}: asked for {task_id!r}, scored "
+                                f"{result.task_id!r}")
         return result
 
 
+def _declared_prefix(exc: BaseException) -> str | None:
+    """The reason prefix of a declared verifier failure, or ``None`` for any other error."""
+    for kind, prefix in DECLARED_FAILURES:
+        if isinstance(exc, kind):
+            return prefix
+    return None
+
+
 def guarded(verifier: TaskVerifier) -> GuardedVerifier:
-    """Wrap ``verifier`` so that it never raises (idempotent)."""
+    """Wrap ``verifier`` so that only its declared failures become unscored (idempotent)."""
     return verifier if isinstance(verifier, GuardedVerifier) else GuardedVerifier(verifier)

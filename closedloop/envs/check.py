@@ -4,8 +4,9 @@ For every task and seed ``check_env`` runs the checks of ``closedloop.envs.check
 (reset and step determinism, snapshot -> restore -> replay, unparsable text, fork isolation),
 with actions of the environment's own (its package's action sampler) mixed with garbage text,
 malformed calls and ``finish`` (``closedloop.envs.check_actions``). Fork isolation needs a
-state-changing probe action of the env's own: the package's ``fork_probe``, else a sampler
-action found to change the state more than an unparsable text does.
+state-changing probe action of the env's own: the package's ``fork_probe``, else (also for a
+task the declared probe has no action for) a sampler action found to change the state more than
+an unparsable text does.
 
 Every failure raises a subclass of ``EnvCheckError`` whose message names the task, the seed and
 the step; an exception of the env's own type becomes ``EnvRaisedError`` naming it. What the env
@@ -61,6 +62,10 @@ __all__ = ["DEFAULT_WEIGHTS", "CheckOptionError", "EnvCheckReport", "check_env",
            "check_steps", "find_probe", "random_actions", "replay_property"]
 
 Probe = Callable[[str], ActionLike | None]
+
+PROBE_TRIES = 64
+"""Sampler draws tried for a state-changing probe action of a task before the fork isolation
+check is reported as not offered (``fork_probe`` in ``EnvCheckReport.missing``)."""
 
 
 @contextmanager
@@ -198,11 +203,16 @@ def check_env(env_factory: EnvFactory, task_ids: Sequence[str], seeds: Sequence[
 
 def _task_probe(env_factory: EnvFactory, task_id: str, seed: int, sampler: Sampler | None,
                 probe: Probe | None, rng: random.Random) -> ActionLike | None:
+    """The declared probe of ``task_id``; when there is none (no ``probe``, or it answers
+    ``None`` for this task, e.g. the ``write_file`` probe on a task without that tool), a
+    state-changing action of the env's own sampler (``find_probe``), so a state-changing action
+    is found whenever the sampler draws one."""
     with _reported(task_id, seed, "fork probe"):
-        if probe is not None:
-            return probe(task_id)
+        declared = probe(task_id) if probe is not None else None
+        if declared is not None:
+            return declared
         if sampler is not None:
-            return find_probe(env_factory, task_id, seed, sampler, rng)
+            return find_probe(env_factory, task_id, seed, sampler, rng, tries=PROBE_TRIES)
     return None
 
 

@@ -130,7 +130,7 @@ def summarize_eval(episodes: Sequence[Episode], k: int = 3, seed: int = 0) -> Ev
 
 
 def paired_difference(a: EvalSummary | None, b: EvalSummary | None, seed: int,
-                      what: str) -> dict[str, Any]:
+                      what: str, n_boot: int | None = None) -> dict[str, Any]:
     """Paired bootstrap CI of per-task success ``a - b`` over the tasks scored in both
     (``measured`` False, with the reason, when an evaluation is missing or fewer than 2 tasks
     are common); ``what`` names the comparison."""
@@ -141,6 +141,7 @@ def paired_difference(a: EvalSummary | None, b: EvalSummary | None, seed: int,
     if len(common) < 2:
         return {"what": what, "measured": False, "tasks": len(common),
                 "detail": f"{len(common)} tasks scored in both evaluations (need 2)"}
-    ci = paired_bootstrap_ci({k: sa[k] for k in common}, {k: sb[k] for k in common}, seed=seed)
+    ci = paired_bootstrap_ci({k: sa[k] for k in common}, {k: sb[k] for k in common},
+                             **({} if n_boot is None else {"n_boot": n_boot}), seed=seed)
     return {"what": what, "measured": True, "tasks": len(common), "estimate": ci.estimate,
             "ci": [ci.lo, ci.hi], "n_boot": ci.n_boot, "alpha": ci.alpha}

@@ -5,11 +5,16 @@ ledger, metrics and the gates); ``write_report`` writes the JSON and an HTML pag
 are embedded as ``data:`` URIs, so the page is one file (``closedloop.evaluate.report_html``).
 
 The capability claim (``report["claim"]``) follows one rule: a gain is stated only when every
-gate passed *and* the paired bootstrap interval of per-task held-out success (the RL arm's
-final evaluation minus the frozen arm's in an experiment, else the run's final minus its start)
-lies above 0. Otherwise the report names the failed and unmeasured gates, or says that the
-interval includes 0, and states that no gain is claimed. Numbers without a denominator are
-``None`` (not measured), never 0.
+gate passed *and* the paired bootstrap interval of per-task held-out success of its headline
+comparison lies above 0. The headline is the reward's share, the RL arm's final evaluation
+minus the shuffled-reward null's (docs/null-control.md), with RL − frozen beside it; without a
+null arm it is the RL arm's final minus the frozen arm's in an experiment, else the run's final
+minus its start, and the claim says the reward's share is not measured. ``claim_by_suite``
+holds the three comparisons (RL − shuffled, RL − frozen, shuffled − frozen) on every suite
+(``closedloop.evaluate.claim``) and ``diagnostics`` what each arm changed beside success.
+Otherwise the report names the failed and unmeasured gates, or says that the interval includes
+0, and states that no gain is claimed. Numbers without a denominator are ``None`` (not
+measured), never 0.
 """
 
 from __future__ import annotations
@@ -23,6 +28,13 @@ from typing import Any
 
 from closedloop.envs.discovery import resolve_section
 from closedloop.errors import EnvPackageError, RetainSuiteMismatchError, StatsInputError
+from closedloop.evaluate.claim import (
+    arm_diagnostics,
+    claim_by_suite,
+    experiment_arms,
+    suite_arms,
+    update_diagnostics,
+)
 from closedloop.evaluate.gates import GateOptions, GateReport, evaluate_gates, main_run_of
 from closedloop.evaluate.heldout import EvalSummary, paired_difference
 from closedloop.evaluate.learning import cold_start_table, heldout_curve, zero_variance_table
@@ -100,10 +112,14 @@ def _retain(run: RunDir, seed: int) -> dict[str, Any]:
     return {"measured": True, **delta.to_dict()}
 
 
-def capability_claim(gates: GateReport, comparison: Mapping[str, Any]) -> dict[str, Any]:
-    """State a gain only if all gates passed and the paired CI lies above 0 (see module doc)."""
+def capability_claim(gates: GateReport, comparison: Mapping[str, Any],
+                     beside: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """State a gain only if all gates passed and the headline ``comparison``'s paired CI lies
+    above 0 (see module doc); ``beside`` (RL − frozen when the headline is RL − shuffled) is
+    stated with it."""
     base = {"comparison": comparison.get("what"), "all_gates_passed": gates.all_passed,
-            "failed_gates": gates.failed, "not_measured_gates": gates.not_measured}
+            "failed_gates": gates.failed, "not_measured_gates": gates.not_measured,
+            "beside": dict(beside) if beside is not None else None}
     if "learning_signal" in gates.not_measured:
         detail = gates.gate("learning_signal").detail
         return {**base, "gain": None, "statement": f"Capability gain not measured: {detail}. "
@@ -123,18 +139,43 @@ def capability_claim(gates: GateReport, comparison: Mapping[str, Any]) -> dict[s
                 f"{comparison.get('detail')}. No gain is claimed."}
     est, (lo, hi) = comparison["estimate"], comparison["ci"]
     span = f"{est:+.3f} [95% CI {lo:+.3f}, {hi:+.3f}] over {comparison['tasks']} tasks"
+    also = _beside_text(comparison, beside)
     if lo > 0:
         return {**base, "gain": True, "statement": f"Capability gain: held-out success "
-                f"{comparison['what']} = {span}; every gate passed."}
+                f"{comparison['what']} = {span}{also}; every gate passed."}
     if hi < 0:
         return {**base, "gain": False, "statement": "Held-out success decreased: "
-                f"{comparison['what']} = {span}. No gain is claimed."}
+                f"{comparison['what']} = {span}{also}. No gain is claimed."}
     half = (hi - lo) / 2
     return {**base, "gain": False, "resolution": half, "statement": "Held-out success shows "
-            f"no gain (the interval includes 0): {comparison['what']} = {span}. No gain is "
-            f"claimed, and none is ruled out: an effect smaller than about {half:.2f} (half "
+            f"no gain (the interval includes 0): {comparison['what']} = {span}{also}. No gain "
+            f"is claimed, and none is ruled out: an effect smaller than about {half:.2f} (half "
             "the interval's width) is not resolved by this evaluation; more attempts per task "
             "narrow it, at best as 1/sqrt(attempts) (closedloop reevaluate)."}
+
+
+def _beside_text(comparison: Mapping[str, Any], beside: Mapping[str, Any] | None) -> str:
+    """``(the reward's share; beside it, RL − frozen = ...)``, or the note that the reward's
+    share is not measured when the headline is not against the shuffled null."""
+    if "shuffled" not in str(comparison.get("what")):
+        return " (the reward's share is not measured: no shuffled-reward null)"
+    if beside is None or not beside.get("measured"):
+        what = beside.get("what") if beside is not None else "RL - frozen"
+        return f" (the reward's share; {what}: not measured)"
+    b_lo, b_hi = beside["ci"]
+    return (f" (the reward's share; beside it, {beside['what']} = {beside['estimate']:+.3f} "
+            f"[{b_lo:+.3f}, {b_hi:+.3f}])")
+
+
+def headline(claims: Mapping[str, Any], fallback: Mapping[str, Any], has_null: bool
+             ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The claim's headline and what stands beside it: with a shuffled-reward arm, RL −
+    shuffled on the held-out suite, RL − frozen beside it; without one, ``fallback`` (RL −
+    frozen, or final − start) alone."""
+    held = claims.get("heldout") or {}
+    if has_null and held:
+        return dict(held["rl_minus_null"]), dict(held["rl_minus_frozen"])
+    return dict(fallback), None
 
 
 SUITE_TITLES = {"family": "family-disjoint", "train": "train tasks, in distribution"}
@@ -270,6 +311,14 @@ def _verifier(gates: GateReport) -> dict[str, Any] | None:
     return {**{k: gate.evidence.get(k) for k in keys}, "status": gate.status}
 
 
+def _overlap(run: RunDir, gates: GateReport) -> dict[str, Any]:
+    """The train / held-out overlap audit ``tasks.json`` recorded, and its gate."""
+    gate = next((g for g in gates.gates if g.name == "heldout_overlap"), None)
+    return {"audit": (run.tasks or {}).get("overlap"),
+            "gate": None if gate is None else {"passed": gate.passed, "status": gate.status,
+                                               "detail": gate.detail}}
+
+
 def build_report(run_dir: str | Path, gates: GateReport | None = None,
                  options: GateOptions | None = None) -> dict[str, Any]:
     """The report's data (JSON values only); ``gates`` are evaluated unless given."""
@@ -283,16 +332,22 @@ def build_report(run_dir: str | Path, gates: GateReport | None = None,
     if frozen is not None and frozen["result"] is not None:
         label, frozen_summary = arm_evaluation(load_run(frozen["path"]))
         comparison = paired_difference(final, frozen_summary, seed, f"RL final - frozen {label}")
+    suites = suite_arms(run, seed)
+    by_suite = claim_by_suite(suites, seed)
     report = {
         "schema": REPORT_SCHEMA,
         "run": {"path": str(run.path), "model": run.config.get("model"), **run.config_meta},
-        "claim": capability_claim(gates, comparison),
+        "claim": capability_claim(gates, *headline(
+            by_suite, comparison, experiment_arms(run).shuffled is not None)),
+        "claim_by_suite": by_suite,
+        "diagnostics": {"arms": arm_diagnostics(suites), "updates": update_diagnostics(run)},
         "gates": gates.to_dict(),
         "heldout": {"start": _heldout(start), "final": _heldout(final),
                     "final_minus_start": paired_difference(final, start, seed, "final - start")},
         "arms": arms,
         "retain_suites": _retain(run, seed),
         "verifier": _verifier(gates),
+        "overlap": _overlap(run, gates),
         "termination": _termination(run),
         "training": _training(run),
         "ledger": _ledger(run),

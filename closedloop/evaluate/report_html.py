@@ -197,6 +197,77 @@ def _more_attempts_html(found: list[Mapping[str, Any]]) -> str:
                      rows, "more-attempts-table"))
 
 
+def _span(c: Mapping[str, Any] | None) -> Any:
+    """``+0.125 [+0.000, +0.292] (16 tasks)``, or why it is not measured."""
+    if not c or not c.get("measured"):
+        return f"not measured ({(c or {}).get('detail', 'no evaluation')})"
+    lo, hi = c["ci"]
+    return f"{c['estimate']:+.3f} [{lo:+.3f}, {hi:+.3f}] ({c['tasks']} tasks)"
+
+
+def _claim_by_suite_html(claims: Mapping[str, Any]) -> str:
+    if not claims:
+        return "<p>No suite evaluated.</p>"
+    rows = [[c["title"], _span(c["rl_minus_null"]), _span(c["rl_minus_frozen"]),
+             _span(c["null_minus_frozen"])] for c in claims.values()]
+    return ("<p>The reward's share is the RL arm against the shuffled-reward null (a gain the "
+            "null also makes is not the reward's; docs/null-control.md); the null gate fails "
+            "when the null's lower bound is above 0 on the held-out, family-disjoint or a "
+            "retain suite.</p>"
+            + _table(["suite", "RL - shuffled (the reward's share)", "RL - frozen",
+                      "shuffled - frozen (the null)"], rows, "claim-by-suite-table"))
+
+
+def _diagnostics_html(diag: Mapping[str, Any]) -> str:
+    rows = [[suite, role, d["episodes"], d["turns_per_episode"], d["truncated_rate"],
+             d["agent_finish_rate"], d["action_tokens_per_turn"], d["parse_failures_per_turn"]]
+            for suite, arms in diag.get("arms", {}).items() for role, d in arms.items()
+            if d is not None]
+    updates = diag.get("updates") or []
+    urows = [[u["step"], u["adv_len_corr"], u["grad_mass_total"], u["clipped_mass_pos"],
+              u["clipped_mass_neg"], u["clip_frac_token"], u["abs_log_ratio_max"]]
+             for u in updates]
+    prows = [[u["step"], k, p.get("abs_log_ratio_p99"), p.get("abs_log_ratio_max"),
+              p.get("clip_frac_token"), p.get("clip_frac_turn"), p.get("clip_frac_episode"),
+              p.get("grad_mass_clipped_pos"), p.get("grad_mass_clipped_neg")]
+             for u in updates for k, p in enumerate(u["passes"])]
+    out = (_table(["suite", "arm", "episodes", "turns per episode", "truncated",
+                   "ended by finish", "action tokens per turn", "parse failures per turn"],
+                  rows, "arm-diagnostics-table") if rows else "<p>No evaluation traces.</p>")
+    out += ("<p>Per update: the correlation of advantage with episode length, and the "
+            "gradient mass a clip removed by advantage sign.</p>"
+            + _table(["step", "corr(A, length)", "gradient mass", "clipped mass A>0",
+                      "clipped mass A<0", "clip fraction (tokens)", "max |log r|"], urows,
+                     "update-diagnostics-table")) if urows else ""
+    if prows:
+        out += ("<p>Every optimizer pass over a reused batch (from the second pass on the "
+                "ratios are no longer 1):</p>"
+                + _table(["step", "pass", "|log r| p99", "|log r| max", "clip tokens",
+                          "clip turns", "clip episodes", "clipped mass A>0",
+                          "clipped mass A<0"], prows, "passes-table"))
+    return out
+
+
+def _overlap_html(overlap: Mapping[str, Any]) -> str:
+    audit, gate = overlap.get("audit"), overlap.get("gate") or {}
+    if not isinstance(audit, Mapping):
+        return f"<p>Held-out overlap audit: not recorded ({_fmt(gate.get('detail'))}).</p>"
+    pairs = [f"{p.get('heldout_id')} ~ {p.get('train_id')} ({p.get('similarity')})"
+             for key in ("exact_pairs", "near_pairs") for p in audit.get(key) or []
+             if isinstance(p, Mapping)]
+    rows: list[list[Any]] = [["rule version", audit.get("dedup_rule_version")],
+            ["train tasks", audit.get("n_train")], ["held-out tasks", audit.get("n_heldout")],
+            ["exact duplicate pairs", len(audit.get("exact_pairs") or [])],
+            ["near-duplicate pairs", len(audit.get("near_pairs") or [])],
+            ["max similarity (threshold)",
+             f"{_fmt(audit.get('max_similarity'))} ({_fmt(audit.get('threshold'))})"],
+            ["shared templates", audit.get("shared_templates") or "none"],
+            ["shared families (reported, not a leak)", audit.get("shared_families") or "none"],
+            ["flagged pairs", "; ".join(pairs[:10]) or "none"],
+            ["gate heldout_overlap", f"{gate.get('status')}: {gate.get('detail')}"]]
+    return _table(["", "value"], rows, "overlap-table")
+
+
 def _precision_html(precision: Any) -> str:
     """The run's resolved matmul precision and why (config.json's record)."""
     if not isinstance(precision, Mapping):
@@ -225,6 +296,8 @@ def render_html(report: Mapping[str, Any]) -> str:
         _precision_html(report["run"].get("precision")),
         f"<p class='claim{' gain' if claim['gain'] else ''}' id='claim'>"
         f"{html.escape(claim['statement'])}</p>",
+        "<h2>What the reward caused, suite by suite</h2>",
+        _claim_by_suite_html(report.get("claim_by_suite") or {}),
         "<h2>Go/no-go gates</h2>", _gates_html(report["gates"]),
         "<h2>Held-out evaluation</h2>", _heldout_html(report),
         "<h2>Family-disjoint suite</h2>", _suite_html(report["family_disjoint"], "family-table"),
@@ -239,9 +312,12 @@ def render_html(report: Mapping[str, Any]) -> str:
         _zero_variance_html(report["zero_variance"]),
         "<h2>Retain suites</h2>", _retain_html(report["retain_suites"]),
         "<h2>Verifier audit</h2>", _verifier_html(report["verifier"]),
+        "<h2>Held-out overlap audit</h2>", _overlap_html(report.get("overlap") or {}),
         "<h2>Termination distribution</h2>",
         _table(["phase", "counts"], [[p, d] for p, d in term.items()]),
         _img(plot_termination(term), "termination distribution"),
+        "<h2>What each arm changed beside success</h2>",
+        _diagnostics_html(report.get("diagnostics") or {}),
         "<h2>Training</h2>", rejection, _training_html(report),
         asynchrony_html(report.get("asynchrony")),
         "</body></html>"]

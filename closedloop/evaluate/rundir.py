@@ -32,12 +32,18 @@ from closedloop.contracts import (
 from closedloop.contracts.records import TraceRecord
 from closedloop.errors import RunDirError, TraceFormatError
 from closedloop.evaluate.heldout import EvalSummary, summarize_eval
+from closedloop.evaluate.run_integrity import (
+    RunProof,
+    resume_point,
+    verify_ledger,
+    verify_run_directory,
+)
 from closedloop.policy.registry import PolicyRegistry
 from closedloop.rollout.ledger import Ledger
 
 __all__ = ["RunDir", "RunDirError", "TraceFile", "TraceLine", "arm_evaluation", "eval_summary",
-           "experiment_of",
-           "find_arms", "load_run", "read_trace_file"]
+           "experiment_of", "find_arms", "load_run", "read_trace_file", "runs_of",
+           "verify_reading"]
 
 TraceKind = Literal["demo", "step", "eval", "other"]
 _STEP_RE = re.compile(r"^step-(\d+)$")
@@ -209,11 +215,16 @@ class RunDir:
 
     @contextmanager
     def ledger(self) -> Iterator[Ledger]:
-        """Open the ledger (``RunDirError`` if the run has none; opening never creates one)."""
+        """Open the ledger, verified (``closedloop.evaluate.run_integrity.verify_ledger``:
+        SQLite's check, every row readable and consistent with its events, the rows committed
+        before the standing checkpoint equal to its digest); ``LedgerCorruptError`` naming the
+        file otherwise, so a gate that reads a tampered ledger fails. ``RunDirError`` if the
+        run has none; opening never creates one."""
         if not self.has_ledger:
             raise RunDirError(f"{self.path}: no ledger.sqlite")
         ledger = Ledger(self.path / "ledger.sqlite")
         try:
+            verify_ledger(ledger, resume_point(self.path, self.metrics, tensors=False).checkpoint)
             yield ledger
         finally:
             ledger.close()
@@ -297,6 +308,27 @@ def experiment_of(run_path: str | Path) -> Path | None:
         if any(arm.resolve() == p for arm in find_arms(candidate).values()):
             return candidate
     return None
+
+
+def runs_of(path: str | Path) -> list[Path]:
+    """The run directories a command reads at ``path``: the arms of an experiment, the arms of
+    every ``replicate-<i>`` experiment of a replicates directory, else ``path`` itself."""
+    root = Path(path)
+    arms = find_arms(root)
+    if arms:
+        return [arms[name] for name in sorted(arms)]
+    replicates = sorted(p for p in root.glob("replicate-*") if p.is_dir() and find_arms(p))
+    if replicates:
+        return [run for rep in replicates for run in runs_of(rep)]
+    return [root]
+
+
+def verify_reading(*paths: str | Path) -> list[RunProof]:
+    """Before a command reads run directories: the read-only proof a launch of ``closedloop
+    train`` runs (``closedloop.evaluate.run_integrity.verify_run_directory``) on every run
+    directory under ``paths`` (``runs_of``); the first that fails raises its named error,
+    which names the file."""
+    return [verify_run_directory(run) for path in paths for run in runs_of(path)]
 
 
 def arm_evaluation(run: RunDir) -> tuple[str, EvalSummary | None]:

@@ -2,7 +2,8 @@
 
     frozen     the warm-started policy, no update (its held-out result is the start evaluation)
     rloo       the normal synchronous RL arm
-    shuffled   the null: the same loop with rewards permuted within each group
+    shuffled   the null: the same loop with rewards permuted within each group and, by a fair
+               coin per group, reflected about the group mean (docs/null-control.md)
     sft_only   supervised steps on fresh demonstrations, trained action tokens matched to rloo
 
 Every arm starts from the same warm start (its adapter is copied, not retrained) and is
@@ -18,7 +19,7 @@ import shutil
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from closedloop.config import RunConfig
 from closedloop.contracts import load_episodes
@@ -26,6 +27,7 @@ from closedloop.engine import PrecisionChoice
 from closedloop.errors import RunStateError
 from closedloop.evaluate.heldout import EvalSummary, summarize_eval
 from closedloop.evaluate.stats import paired_bootstrap_ci
+from closedloop.learn.null_control import RewardControl
 from closedloop.policy.registry import atomic_write_bytes, version_name
 from closedloop.progress import log, phase, phase_times, reset_phases
 from closedloop.training.integrity import recorded_meta
@@ -36,9 +38,13 @@ from closedloop.training.run_evaluation import audit_frozen, eval_name, evaluate
 from closedloop.training.warm_start import sft_only
 
 ARMS = ("frozen", "rloo", "shuffled", "sft_only")
+NULL_CONTROL: RewardControl = "shuffle_flip_within_group"
+"""The shuffled arm's reward null: the within-group shuffle with a sign flip, zero expected
+update for every reducer and for update rules odd in the gradient (docs/null-control.md)."""
 SHARED = ("sft/adapter.pt", "sft/result.json", "traces/sft-demos.jsonl",
           "traces/eval-start.jsonl", "traces/eval-start-family.jsonl",
-          "traces/eval-start-train.jsonl", "traces/eval-retain-start.jsonl", "audit.json")
+          "traces/eval-start-train.jsonl", "traces/eval-retain-start.jsonl", "audit.json",
+          "package_check.json")
 SUITE_ARMS = ("frozen", "rloo", "shuffled")
 """The arms evaluated on the family-disjoint and the train suites: each suite's comparison is RL
 final − frozen start, beside the shuffled-reward null on the same suite (a gain the null shares
@@ -98,13 +104,17 @@ def _sft_only(cfg: RunConfig, arm_dir: Path, tokens: int,
 
 
 def _final_suites(cfg: RunConfig, arm_dir: Path, config_override: str | None) -> None:
-    """Evaluate a finished arm's final policy on each of ``final_suites`` it has not been
-    evaluated on (an experiment directory written before that suite was evaluated)."""
+    """Evaluate a finished arm's final policy on each of ``final_suites`` and the retain suites
+    it has not been evaluated on (an experiment directory written before that suite was
+    evaluated)."""
     missing = [s for s in final_suites(cfg)
                if not (arm_dir / "traces" / f"eval-{eval_name('final', s)}.jsonl").is_file()]
-    if not missing:
+    retain = bool(cfg.evaluation.retain_suites) and not (
+        arm_dir / "traces" / "eval-retain-final.jsonl").is_file()
+    if not missing and not retain:
         return
-    log(f"experiment: arm {arm_dir.name}, final policy on the {', '.join(missing)} suite(s)")
+    log(f"experiment: arm {arm_dir.name}, final policy on the "
+        f"{', '.join(missing + (['retain'] if retain else []))} suite(s)")
     with opened_run(cfg, arm_dir, config_override) as run:
         if not resume(run):
             raise RunStateError(arm_dir, "the arm's summary exists but no checkpoint resumes",
@@ -112,6 +122,35 @@ def _final_suites(cfg: RunConfig, arm_dir: Path, config_override: str | None) ->
         final = run.registry.manifest(version_name(cfg.training.rl_steps))
         for suite in missing:
             evaluate(run, "final", final, suite=suite)
+        if retain:
+            evaluate_retain(run, "final", final)
+
+
+SFT_TOKEN_TOLERANCE = 0.25
+"""The SFT-only arm's trained action tokens must lie within this relative tolerance of the RL
+arm's (it stops at the first batch that reaches them, so it overshoots by at most one batch;
+it falls short only when its demonstrations run out)."""
+
+
+def token_match(rl_tokens: int, sft_tokens: int | None) -> dict[str, Any]:
+    """The SFT-only arm's trained action tokens against the RL arm's: ``within`` when
+    |sft − rl| <= ``SFT_TOKEN_TOLERANCE`` · rl (``None`` when the SFT-only arm logged none)."""
+    within = None if sft_tokens is None else \
+        abs(sft_tokens - rl_tokens) <= SFT_TOKEN_TOLERANCE * rl_tokens
+    return {"rl": rl_tokens, "sft_only": sft_tokens, "tolerance": SFT_TOKEN_TOLERANCE,
+            "within": within}
+
+
+def _sft_only_tokens(run_dir: Path) -> int | None:
+    """The action tokens the SFT-only arm trained on (its ``sft_only`` metrics record)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("kind") == "sft_only":
+            return int(rec.get("trained_action_tokens") or 0)
+    return None
 
 
 def _trained_tokens(run_dir: Path) -> int:
@@ -139,8 +178,8 @@ def run_experiment(cfg: RunConfig, exp_dir: str | Path,
     with phase("cold start (the frozen arm)"):
         _cold_start(cfg, arms["frozen"], config_override)
     precision = cold_start_precision(arms["frozen"])
-    controls: tuple[tuple[str, Literal["none", "shuffle_within_group"]], ...] = (
-        ("rloo", "none"), ("shuffled", "shuffle_within_group"))
+    controls: tuple[tuple[str, RewardControl], ...] = (
+        ("rloo", "none"), ("shuffled", NULL_CONTROL))
     for name, control in controls:
         arm_cfg = replace(cfg, credit=replace(cfg.credit, reward_control=control))
         if control != "none":
@@ -150,7 +189,7 @@ def run_experiment(cfg: RunConfig, exp_dir: str | Path,
             log(f"experiment: arm {name}")
             with phase(f"arm {name}"):
                 train(arm_cfg, arms[name], config_override,
-                      final_other_suites=name in SUITE_ARMS, final_retain=name == "rloo",
+                      final_other_suites=name in SUITE_ARMS, final_retain=name in SUITE_ARMS,
                       precision=precision)
         elif name in SUITE_ARMS:
             _final_suites(arm_cfg, arms[name], config_override)
@@ -206,7 +245,8 @@ def summarize_experiment(cfg: RunConfig, arms: dict[str, Path], tokens: int) -> 
     ``suites.train`` with the same fields.
     """
     out: dict[str, Any] = {"matched_action_tokens": tokens, "seeds": list(cfg.evaluation.seeds),
-                           "suites": {}}
+                           "token_match": token_match(tokens, _sft_only_tokens(
+                               arms["sft_only"])), "suites": {}}
     for suite in _suites(cfg):
         frozen = _eval_of(arms["frozen"], "start", cfg, suite)
         base = frozen.per_task_success()

@@ -32,6 +32,23 @@ class SFTResult:
     losses: tuple[float, ...]
 
 
+def action_tokens(episode: Episode) -> int:
+    """The action tokens SFT trains on in ``episode``."""
+    return sum(len(t.action_token_ids) for t in episode.turns)
+
+
+def fit_to_budget(chunk: Sequence[Episode], remaining: int) -> tuple[list[Episode], bool]:
+    """The prefix of ``chunk`` (at least one episode) whose action tokens come nearest
+    ``remaining``, and whether that reaches the budget (the last batch of a matched run):
+    True when the prefix was cut or its tokens reach ``remaining``."""
+    cumulative, total = [], 0
+    for ep in chunk:
+        total += action_tokens(ep)
+        cumulative.append(total)
+    k = min(range(len(chunk)), key=lambda i: (abs(cumulative[i] - remaining), i))
+    return list(chunk[: k + 1]), k + 1 < len(chunk) or cumulative[k] >= remaining
+
+
 def sft_backward(
     model: torch.nn.Module,
     episodes: Sequence[Episode],
@@ -80,9 +97,12 @@ def supervised_warm_start(
     """Train on ``episodes`` for ``epochs`` passes of shuffled mini-batches.
 
     ``max_tokens`` stops once that many action tokens have been trained on (used to match the
-    SFT-only control's budget to an RL arm's). ``precision`` is the run's matmul precision
-    (``closedloop.engine.precision``: the run resolves it once, and the warm start uses the same
-    one as sampling and training); the weights and the optimizer stay float32.
+    SFT-only control's budget to an RL arm's): the batch that reaches it is cut to the prefix
+    of its episodes whose action tokens come nearest the remaining budget (``fit_to_budget``),
+    so the total lands within half an episode of it instead of a whole batch past it.
+    ``precision`` is the run's matmul precision (``closedloop.engine.precision``: the run
+    resolves it once, and the warm start uses the same one as sampling and training); the
+    weights and the optimizer stay float32.
     """
     if not episodes:
         raise LearnError("no demonstrations to train on")
@@ -98,6 +118,9 @@ def supervised_warm_start(
         rng.shuffle(order)
         for start in range(0, len(order), batch_size):
             chunk = [episodes[i] for i in order[start : start + batch_size]]
+            last = False
+            if max_tokens is not None:
+                chunk, last = fit_to_budget(chunk, max_tokens - trained)
             optimizer.zero_grad(set_to_none=True)
             with matmul_precision(model, precision):
                 loss, n = sft_backward(model, chunk, pad_id, micro_batch_size)
@@ -108,6 +131,6 @@ def supervised_warm_start(
             losses.append(loss)
             if progress is not None:
                 progress(len(chunk))
-            if max_tokens is not None and trained >= max_tokens:
+            if max_tokens is not None and (last or trained >= max_tokens):
                 return SFTResult(steps, trained, len(episodes), tuple(losses))
     return SFTResult(steps, trained, len(episodes), tuple(losses))

@@ -145,6 +145,10 @@ class Trainer:
         first = dict(passes[0])
         first["optim/lr"] = self.config.learning_rate
         first["optim/steps_on_batch"] = len(passes)
+        first["credit/adv_len_corr"] = advantage_length_correlation(
+            advantages_B, shift_targets(batch).mask_B_T.sum(dim=1))
+        if len(passes) > 1:
+            first.update(pass_tails(passes))
         return StepResult(first, norms[0], n_act, n_tok, tuple(passes))
 
     def loss_and_gradient(self, batch: TrainingBatch, advantages_B: torch.Tensor,
@@ -221,6 +225,32 @@ class Trainer:
         return trainer_path_logprobs(self.model, ids_B_T, attn_B_T, mask_B_Tm1,
                                      self.config.share_prompt_prefix,
                                      temperature=self.config.temperature)
+
+
+PASS_KEYS = ("ratio/abs_log_ratio_p99", "ratio/abs_log_ratio_max", "ratio/ratio_p99",
+             "ratio/ratio_max", "clip/clip_frac_token", "clip/clip_frac_turn",
+             "clip/clip_frac_episode", "grad_mass/grad_mass_clipped_pos",
+             "grad_mass/grad_mass_clipped_neg", "optim/grad_norm")
+"""The figures of each optimizer pass over a reused batch (``pass<k>/<key>``, k from 0): the
+ratio tails, the clip fractions per granularity and the clipped mass by advantage sign, which
+from the second pass on are no longer those of a fresh batch."""
+
+
+def pass_tails(passes: tuple[Metrics, ...] | list[Metrics]) -> Metrics:
+    """``pass<k>/<key>`` for every pass k and every key of ``PASS_KEYS`` a pass reported."""
+    return {f"pass{k}/{key}": m[key] for k, m in enumerate(passes) for key in PASS_KEYS
+            if key in m}
+
+
+def advantage_length_correlation(advantages_B: torch.Tensor,
+                                 lengths_B: torch.Tensor) -> float | None:
+    """Pearson correlation of the episodes' advantages with their action-token counts (``None``
+    with fewer than two episodes or a constant either side): a length bias of the credit, e.g.
+    a reward that favours shorter episodes, or a null that is not one."""
+    a, n = advantages_B.double(), lengths_B.double()
+    if a.numel() < 2 or float(a.std()) == 0.0 or float(n.std()) == 0.0:
+        return None
+    return float(torch.corrcoef(torch.stack([a, n]))[0, 1])
 
 
 def _chunks(n: int, size: int) -> list[list[int]]:

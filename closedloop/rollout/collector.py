@@ -86,16 +86,20 @@ class CollectorConfig:
 
     max_turns: a turn limit; reaching it before the task's own step budget ends the episode
     with ``max_step_truncation`` (censored). deadline_s: wall-clock budget for one call;
-    episodes still live then end with ``scheduler_cancel``. sampling_salt: when set, every
-    episode samples from its own random stream, ``episode_stream(salt, task, seed, index)``:
-    two policies collecting the same (task, seed, sibling) draw the same uniforms, so where
-    they agree they sample the same tokens (common random numbers: paired evaluations of two
-    checkpoints differ where the policies differ, not where the dice did).
+    episodes still live then end with ``scheduler_cancel``. episode_deadline_s: wall-clock
+    budget of one episode from its reset; an episode still live past it ends with
+    ``scheduler_cancel`` at its next turn boundary (censored, never scored 0). sampling_salt:
+    when set, every episode samples from its own random stream,
+    ``episode_stream(salt, task, seed, index)``: two policies collecting the same (task, seed,
+    sibling) draw the same uniforms, so where they agree they sample the same tokens (common
+    random numbers: paired evaluations of two checkpoints differ where the policies differ,
+    not where the dice did).
     """
 
     max_turns: int = 8
     deadline_s: float | None = None
     sampling_salt: int | None = None
+    episode_deadline_s: float | None = None
 
 
 def episode_stream(salt: int, task_id: str, seed: int, sample_index: int) -> int:
@@ -124,6 +128,7 @@ class _Live:
     segment: int = 0  # context_segment_id of the turns played now
     parent_segment: str | None = None  # the segment this one continues
     segment_start: int = 0  # the first turn of the current segment
+    clock_start: float = field(default_factory=time.perf_counter)
 
 
 def _safe_hash(env: AgentEnv) -> str:
@@ -245,7 +250,10 @@ class Collector:
                 for ep in live:
                     ep.termination = Termination.SCHEDULER_CANCEL
             else:
-                self._step_all(live)
+                self._cancel_overdue(live)
+                running = [ep for ep in live if ep.termination is None]
+                if running:
+                    self._step_all(running)
             turns += 1
             still = []
             for ep in live:
@@ -295,6 +303,16 @@ class Collector:
                 raise SnapshotMismatchError(
                     f"group {lease.group_id} is leased to manifest {lease.behavior_manifest_hash}"
                     f", the collector samples with {manifest_hash}")
+
+    def _cancel_overdue(self, live: Sequence[_Live]) -> None:
+        """End with ``scheduler_cancel`` every live episode past ``episode_deadline_s``."""
+        limit = self.config.episode_deadline_s
+        if limit is None:
+            return
+        now = time.perf_counter()
+        for ep in live:
+            if now - ep.clock_start > limit:
+                ep.termination = Termination.SCHEDULER_CANCEL
 
     def _past_deadline(self, started: float) -> bool:
         limit = self.config.deadline_s

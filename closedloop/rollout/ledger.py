@@ -69,6 +69,7 @@ from closedloop.errors import (
 from closedloop.rollout.ledger_check import (
     LedgerDigest,
     compute_digest,
+    decode_problems,
     digest_problems,
     integrity_problems,
     row_problems,
@@ -240,6 +241,8 @@ class Ledger:
         try:
             with self._lock:
                 problems = integrity_problems(self._conn)
+                if not problems:
+                    problems = decode_problems(self._conn)
                 if not problems:
                     problems = row_problems(self._conn)
                 if not problems and digest is not None:

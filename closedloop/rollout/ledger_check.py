@@ -7,9 +7,10 @@ append-only) and the immutable columns of every ``groups`` row (``seq`` through
 :class:`LedgerDigest` records how far each prefix reached when a checkpoint was written and a
 sha256 over it; :func:`digest_problems` recomputes the hashes over the same prefixes of the file
 on disk, so flipped bytes in any row committed before the checkpoint are found, and rows added
-since are allowed. :func:`row_problems` checks what the digest cannot: every lease still hashes
-to its ``lease_hash``, and every group's state, step and version are the ones its last
-transition event says.
+since are allowed. :func:`decode_problems` names rows whose text is not UTF-8 (SQLite stores
+them; Python cannot read them). :func:`row_problems` checks what the digest cannot: every lease
+still hashes to its ``lease_hash``, and every group's state, step and version are the ones its
+last transition event says.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from typing import Any
 
 from closedloop.contracts.hashing import content_hash
 
-__all__ = ["LedgerDigest", "compute_digest", "digest_problems", "integrity_problems",
-           "row_problems"]
+__all__ = ["LedgerDigest", "compute_digest", "decode_problems", "digest_problems",
+           "integrity_problems", "row_problems"]
 
 _GROUP_COLUMNS = ("seq, group_id, run_id, task_id, behavior_policy_version, lease_json, "
                   "lease_hash, summary_json, created_at")
@@ -91,6 +92,22 @@ def integrity_problems(conn: sqlite3.Connection) -> list[str]:
     """SQLite's ``PRAGMA integrity_check`` messages (empty for a sound file)."""
     rows = [str(r[0]) for r in conn.execute("PRAGMA integrity_check").fetchall()]
     return [] if rows == ["ok"] else rows
+
+
+def decode_problems(conn: sqlite3.Connection) -> list[str]:
+    """Rows SQLite stores but Python cannot read (text that is not UTF-8), by table and seq.
+
+    Each row is read alone, so one bad row is named instead of stopping the scan."""
+    problems: list[str] = []
+    for table in ("meta", "groups", "events"):
+        for (rowid,) in conn.execute(f"SELECT rowid FROM {table} ORDER BY rowid"):
+            try:
+                conn.execute(f"SELECT * FROM {table} WHERE rowid = ?", (rowid,)).fetchall()
+            except sqlite3.OperationalError as exc:
+                problems.append(f"{table} row {rowid}: {exc}")
+                if len(problems) >= 5:
+                    return problems
+    return problems
 
 
 def row_problems(conn: sqlite3.Connection, limit: int = 5) -> list[str]:

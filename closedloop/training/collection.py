@@ -54,7 +54,8 @@ def collect_to_trace(run: Run, source: ActionSource, manifest: PolicyManifest, p
     def roll(writer: TraceWriter, progress: Callable[[int], None]) -> list[RolloutGroup]:
         collector = make_collector(source, manifest, CollectorParts(
             run.policy.renderer, ctx.verifier, ctx.directory.run_id, writer,
-            run.cfg.environment.max_turns, ctx.package, sampling_salt=run.cfg.training.seed))
+            run.cfg.environment.max_turns, ctx.package, sampling_salt=run.cfg.training.seed,
+            episode_deadline_s=run.cfg.rollout.episode_deadline_s))
         leases = [collector.make_lease(s.group_id, s.task_id, s.seed, s.group_size)
                   for s in specs]
         return collector.rollout(leases, progress=progress)

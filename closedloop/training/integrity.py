@@ -10,14 +10,14 @@ sequence part way, so on every launch, before anything trains:
 - **config**: the resolved config equals ``config.json``'s, key for key. A change is refused
   (:class:`ConfigDriftError` naming the keys) unless declared: ``override`` (the CLI's
   ``--override-config REASON``) records the reason and the differences in ``launches.jsonl``
-  and replaces ``config.json``. Every launch appends one line to ``launches.jsonl``.
-- **ledger**: SQLite's integrity check, every row consistent with its events, and the rows
-  committed before the restored checkpoint equal to the digest that checkpoint carries.
-- **agreement** (:func:`check_agreement`): with c the newest checkpoint that verifies, nothing
-  may show progress past it: no group consumed after step c, no registry version past v_c, no
-  ``rl_step`` record for step c or later; every behaviour version v_0..v_{c-1}, every step
-  trace and every ``rl_step`` record of steps 0..c-1 must exist. Without any checkpoint,
-  nothing may have been consumed or published past v0000.
+  and replaces ``config.json``. Every launch appends one line to ``launches.jsonl``. A run
+  directory where every earlier launch stopped before its first piece of work (a factory that
+  failed to load, a failed package check; ``work_products`` is empty) takes the new config as
+  a first launch would (the reason is recorded), so a fixed relaunch never trips on it.
+- **ledger** and **agreement**: the read-only proof every command that reads a run directory
+  runs too (``closedloop.evaluate.run_integrity``: SQLite's integrity check, rows against
+  their events and the checkpoint's digest; nothing shows progress past the newest verified
+  checkpoint, nothing before it is missing).
 
 Anything else raises a :class:`RunDirectoryError` that names the file that disagrees, what
 was found and how to recover; the run never trains from a state it cannot prove. The one
@@ -34,7 +34,6 @@ import json
 import os
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -46,19 +45,26 @@ from closedloop.errors import (
     RunLockedError,
     RunStateError,
 )
+from closedloop.evaluate.run_integrity import (
+    NEW_RUN_DIR,
+    CheckpointSurvey,
+    RunProgress,
+    check_agreement,
+    restore_advice,
+    resume_point,
+    survey_checkpoints,
+    verify_ledger,
+    work_products,
+)
 from closedloop.learn.checkpoint import Checkpoint, list_checkpoints, load_checkpoint
-from closedloop.policy.registry import fsync_dir, version_index, version_name
+from closedloop.policy.registry import fsync_dir
 from closedloop.progress import log
 from closedloop.rollout.ledger import Ledger
-from closedloop.rollout.ledger_check import LedgerDigest
 
 __all__ = ["CheckpointSurvey", "ConfigDriftError", "RunDirectoryError", "RunLock",
            "RunLockedError", "RunProgress", "RunStateError", "check_agreement", "check_config",
            "check_tasks", "config_differences", "prove_state", "recorded_meta", "require_complete",
            "supersede", "survey_checkpoints"]
-
-NEW_RUN_DIR = "start a new run directory (--run-dir)"
-
 
 # ----------------------------------------------------------------------------- lock
 class RunLock:
@@ -150,6 +156,9 @@ def check_config(run_dir: Path, config: Mapping[str, Any], meta: Mapping[str, An
     an ``override`` accepted (see the module docstring)."""
     path = run_dir / "config.json"
     differences: list[str] = []
+    if path.exists() and not work_products(run_dir):
+        override = override or ("every earlier launch stopped before its first piece of work "
+                                "(no checkpoint, trace, version, metrics or ledger row)")
     if path.exists():
         differences = recorded_config_differences(
             run_dir, config, "restore config.json from a backup, or " + NEW_RUN_DIR)
@@ -171,115 +180,6 @@ def check_config(run_dir: Path, config: Mapping[str, Any], meta: Mapping[str, An
     return differences
 
 
-# ----------------------------------------------------------------------------- checkpoints
-@dataclass(frozen=True)
-class CheckpointSurvey:
-    """The newest checkpoint that verifies (loaded) and the newer ones that do not."""
-
-    latest: Checkpoint | None
-    corrupt: tuple[tuple[Path, str], ...]
-
-    def newer_corrupt(self) -> tuple[tuple[Path, str], ...]:
-        """The corrupt checkpoints past ``latest`` (all of them when there is none)."""
-        floor = -1 if self.latest is None else self.latest.step
-        return tuple((p, why) for p, why in self.corrupt
-                     if int(p.name.removeprefix("step-")) > floor)
-
-
-def survey_checkpoints(directory: Path) -> CheckpointSurvey:
-    """Verify checkpoints from the newest down to the first that loads."""
-    corrupt: list[tuple[Path, str]] = []
-    for path in reversed(list_checkpoints(directory)):
-        try:
-            return CheckpointSurvey(load_checkpoint(path), tuple(corrupt))
-        except CheckpointCorruptError as exc:
-            corrupt.append((path, str(exc)))
-    return CheckpointSurvey(None, tuple(corrupt))
-
-
-# ----------------------------------------------------------------------------- agreement
-@dataclass(frozen=True)
-class RunProgress:
-    """How far each part of a run directory got.
-
-    consumed_steps: the ledger's step of every consumed group; versions: the registry's
-    staged versions; rl_steps_logged: steps with an ``rl_step`` metrics record; step_traces:
-    steps with a complete ``traces/step-NNNN.jsonl``.
-    """
-
-    consumed_steps: Sequence[int]
-    versions: Sequence[str]
-    rl_steps_logged: Sequence[int]
-    step_traces: Sequence[int]
-
-    @classmethod
-    def of(cls, run_dir: Path, consumed_steps: Sequence[int], versions: Sequence[str],
-           metrics: MetricsLog) -> RunProgress:
-        """Read what the ledger (``consumed_steps``), registry and files show."""
-        logged = sorted(r["step"] for r in metrics
-                        if r.get("kind") == "rl_step" and isinstance(r.get("step"), int))
-        traces = sorted(int(p.stem.removeprefix("step-"))
-                        for p in (run_dir / "traces").glob("step-*.jsonl")
-                        if p.stem.removeprefix("step-").isdigit())
-        return cls(tuple(consumed_steps), tuple(versions), tuple(logged), tuple(traces))
-
-
-def _restore(what: str) -> str:
-    return f"restore {what} from a backup, or {NEW_RUN_DIR}; the run will not train from a " \
-           "state it cannot prove"
-
-
-def check_agreement(run_dir: Path, survey: CheckpointSurvey, progress: RunProgress,
-                    ahead: int = 0) -> None:
-    """Raise ``RunStateError`` unless the parts agree with the newest verified checkpoint
-    (module docstring); ``ahead=1`` allows the ledger and registry one step past it."""
-    ckpt = survey.latest
-    c = 0 if ckpt is None else ckpt.step
-    limit = c + ahead
-    past = [(run_dir / "ledger.sqlite", f"records groups consumed at step "
-             f"{max(progress.consumed_steps)}")] if progress.consumed_steps and (
-        ckpt is None or max(progress.consumed_steps) > limit) else []
-    staged = sorted(version_index(v) for v in progress.versions)
-    if staged and staged[-1] > (limit if ckpt is not None else 0):
-        past.append((run_dir / "registry" / "versions" / version_name(staged[-1]),
-                     "is staged"))
-    logged_past = [s for s in progress.rl_steps_logged if ckpt is None or s >= c]
-    if logged_past:
-        past.append((run_dir / "metrics.jsonl", f"holds the rl_step record of step "
-                     f"{logged_past[-1]}"))
-    if past:
-        newer = survey.newer_corrupt()
-        held = (f"holds {ckpt.path.name} as its newest checkpoint" if ckpt is not None
-                else "holds no checkpoint")
-        if newer:
-            path, why = newer[0]
-            fallback = (f"the newest that does is {ckpt.path.name}" if ckpt is not None
-                        else "no checkpoint does")
-            raise RunStateError(path, f"does not verify ({why.removeprefix(f'{path}: ')}); "
-                                f"{fallback}, but {past[0][0].name} {past[0][1]}",
-                                _restore(f"checkpoints/{path.name}"))
-        raise RunStateError(past[0][0], f"{past[0][1]}, but checkpoints/ {held}: the weights "
-                            "of that progress are gone", _restore("checkpoints/"))
-    if ckpt is None:
-        return
-    missing_versions = sorted(set(range(c)) - set(staged))
-    if missing_versions:
-        v = version_name(missing_versions[0])
-        raise RunStateError(run_dir / "registry" / "versions" / v, f"is missing, but "
-                            f"checkpoint {ckpt.path.name} was trained on episodes it sampled",
-                            _restore("registry/"))
-    lost = sorted(set(range(c)) - set(progress.step_traces))
-    if lost:
-        trace = run_dir / "traces" / f"step-{lost[0]:04d}.jsonl"
-        raise RunStateError(trace, f"is missing, but checkpoint {ckpt.path.name} committed "
-                            f"step {lost[0]}", _restore(f"traces/{trace.name}"))
-    lost = sorted(set(range(c)) - set(progress.rl_steps_logged))
-    if lost:
-        raise RunStateError(run_dir / "metrics.jsonl", f"has no rl_step record of step "
-                            f"{lost[0]}, but checkpoint {ckpt.path.name} committed that step",
-                            _restore("metrics.jsonl"))
-
-
 def supersede(path: Path) -> None:
     """Set a committed checkpoint aside (an atomic rename to ``.trash-*``, which the next
     checkpoint write deletes): its step will run again."""
@@ -293,29 +193,18 @@ def prove_state(run_dir: Path, ledger: Ledger, versions: Sequence[str],
     (0, or 1 when a checkpoint's step record never reached ``metrics.jsonl``: that checkpoint
     is set aside and the previous one returned). Raises ``RunStateError`` or
     ``LedgerCorruptError`` (naming the file) when the parts cannot be reconciled; nothing is
-    changed before every check has passed."""
-    survey = survey_checkpoints(run_dir / "checkpoints")
-    ckpt, ahead = survey.latest, 0
-    superseded: Checkpoint | None = None
-    if ckpt is not None and ckpt.step > 0 and ("rl_step", ckpt.step - 1, None) not in metrics:
-        prev = ckpt.path.with_name(f"step-{ckpt.step - 1:06d}")
-        try:
-            superseded, ckpt = ckpt, load_checkpoint(prev)
-        except CheckpointCorruptError as exc:
-            raise RunStateError(prev, f"cannot stand in for {ckpt.path.name}, whose step "
-                                f"record never reached metrics.jsonl ({exc})",
-                                _restore(f"checkpoints/{prev.name}")) from None
-        survey, ahead = CheckpointSurvey(ckpt, survey.corrupt), 1
-    digest = ckpt.extra.get("ledger_digest") if ckpt is not None else None
-    ledger.verify(LedgerDigest.from_dict(digest) if isinstance(digest, Mapping) else None)
-    consumed = [ledger.get(g).consumed_step for g in ledger.group_ids("consumed")]
-    check_agreement(run_dir, survey, RunProgress.of(
-        run_dir, [s for s in consumed if s is not None], versions, metrics), ahead)
-    if superseded is not None and ckpt is not None:
-        log(f"{superseded.path.name} committed but its step record never reached "
-            f"metrics.jsonl: step {superseded.step - 1} runs again from {ckpt.path.name}")
-        supersede(superseded.path)
-    return ckpt, ahead
+    changed before every check has passed. The checks are the read-only proof every reader
+    runs (``closedloop.evaluate.run_integrity``), here on the launch's open ledger."""
+    point = resume_point(run_dir, metrics)
+    ckpt = point.checkpoint
+    consumed = verify_ledger(ledger, ckpt)
+    check_agreement(run_dir, point.survey, RunProgress.of(run_dir, consumed, versions, metrics),
+                    point.ahead)
+    if point.superseded is not None and ckpt is not None:
+        log(f"{point.superseded.path.name} committed but its step record never reached "
+            f"metrics.jsonl: step {point.superseded.step - 1} runs again from {ckpt.path.name}")
+        supersede(point.superseded.path)
+    return ckpt, point.ahead
 
 
 def require_complete(run_dir: Path, rl_steps: int, metrics: MetricsLog) -> None:
@@ -333,7 +222,7 @@ def require_complete(run_dir: Path, rl_steps: int, metrics: MetricsLog) -> None:
     lost = [s for s in range(rl_steps) if ("rl_step", s, None) not in metrics]
     if lost:
         raise RunStateError(run_dir / "metrics.jsonl", f"has no rl_step record of steps {lost}",
-                            _restore("metrics.jsonl"))
+                            restore_advice("metrics.jsonl"))
 
 
 def check_tasks(path: Path, recorded: bytes | None, built: Mapping[str, Sequence[str]],
@@ -341,7 +230,7 @@ def check_tasks(path: Path, recorded: bytes | None, built: Mapping[str, Sequence
     """The task ids built now must be those ``tasks.json`` recorded (``recorded``: its bytes
     before this launch rewrote it, restored on a refusal) unless a config override is
     declared."""
-    if recorded is None or override:
+    if recorded is None or override or not work_products(path.parent):
         return
     try:
         old = json.loads(recorded)

@@ -25,6 +25,7 @@ from typing import Any
 from closedloop.config import RunConfig
 from closedloop.engine import PrecisionChoice
 from closedloop.evaluate.heldout import EvalSummary
+from closedloop.evaluate.package_check import check_before_training, record_check
 from closedloop.evaluate.retain import retain_delta
 from closedloop.policy.registry import version_name
 from closedloop.progress import log
@@ -40,6 +41,7 @@ from closedloop.training.run_evaluation import (
     seed_sampler,
 )
 from closedloop.training.warm_start import warm_start
+from closedloop.training.wiring import run_package
 
 
 def curve_steps(rl_steps: int, points: int) -> tuple[int, ...]:
@@ -99,11 +101,17 @@ def evaluate_curve_point(run: Run, step: int) -> None:
 @contextmanager
 def opened_run(cfg: RunConfig, run_dir: str | Path, config_override: str | None = None,
                precision: PrecisionChoice | None = None) -> Iterator[Run]:
-    """The one set-up path: the run directory opened (locked, checked; ``precision``: a
-    resolution to adopt on its first launch), its warm start done or reloaded (π_ref = the
-    warm-started policy, "initial_sft") and the roles attached (trainer with the RL adapter,
-    generator worker, publisher); closed on exit."""
+    """The one set-up path: the run directory's environment package checked on its first
+    launch, before anything is written (``closedloop.evaluate.package_check``), the run
+    directory opened (locked, checked; ``precision``: a resolution to adopt on its first
+    launch), its warm start done or reloaded (π_ref = the warm-started policy, "initial_sft")
+    and the roles attached (trainer with the RL adapter, generator worker, publisher); closed
+    on exit."""
+    checked = check_before_training(run_package(cfg.environment), cfg.training.package_check,
+                                    Path(run_dir))
     run = open_run(cfg, run_dir, config_override, precision)
+    if checked is not None:
+        record_check(checked, run.dir)
     try:
         if cfg.sft.enabled:
             warm_start(run)

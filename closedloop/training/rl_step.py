@@ -33,10 +33,12 @@ from typing import Any
 
 import torch
 
-from closedloop.config import CreditSection
+from closedloop.config import CreditSection, RunConfig
 from closedloop.contracts import Episode, content_hash, load_episodes
 from closedloop.errors import StaleTokenError
+from closedloop.evaluate.scorable import require_scored
 from closedloop.learn.credit import GroupCredit, group_advantages, summarize_credit
+from closedloop.learn.null_control import control_rewards
 from closedloop.policy.registry import version_index, version_name
 from closedloop.progress import log
 from closedloop.rollout.admission import AdmissionController
@@ -143,13 +145,13 @@ def produce_round(run: Run, order: WorkOrder) -> QueuedRound:
 # ----------------------------------------------------------------------------- trainer side
 def assign_credit(groups: Sequence[CollectedGroup], credit: CreditSection) -> CreditBatch:
     """Group-relative advantages of the admitted groups (``credit.estimator``; censored and
-    quarantined members excluded by the declared rule; the shuffled-reward null permutes
-    scored rewards within each group first)."""
+    quarantined members excluded by the declared rule; a reward null relabels scored rewards
+    within each group first: ``closedloop.learn.null_control``)."""
     credits, episodes, adv, success = [], [], [], []
     for g in groups:
         trajs = [ep.trajectory for ep in g.episodes]
-        rewards = control_rewards(credit.reward_control, g.lease.group_id,
-                                  [t.task_success for t in trajs])
+        rewards = control_rewards([t.task_success for t in trajs], credit.reward_control,
+                                  g.lease.group_id)
         censored = [t.termination.is_censored or t.quarantine_reason is not None
                     or t.task_success is None for t in trajs]
         group_credit = group_advantages(rewards, credit.estimator, censored, credit.censor_rule)
@@ -169,22 +171,23 @@ def assign_credit(groups: Sequence[CollectedGroup], credit: CreditSection) -> Cr
     return CreditBatch(tuple(credits), tuple(episodes), tuple(adv), tuple(success))
 
 
-def control_rewards(control: str, group_id: str, rewards: list[float | None]
-                    ) -> list[float | None]:
-    """The shuffled-reward null control: permute scored rewards within the group.
-
-    The permutation is seeded by the group id, so a resumed run permutes identically. With
-    ``reward_control: none`` the rewards are returned unchanged.
-    """
-    if control == "none":
-        return rewards
-    scored = [i for i, r in enumerate(rewards) if r is not None]
-    values = [rewards[i] for i in scored]
-    random.Random(f"shuffle/{group_id}").shuffle(values)
-    out = list(rewards)
-    for i, v in zip(scored, values, strict=True):
-        out[i] = v
+def relabelled_members(groups: Sequence[CollectedGroup], credit: CreditSection) -> int:
+    """Members whose training reward the reward control changed (0 for the RL arm; a null
+    whose relabelling were the identity would show 0 too)."""
+    out = 0
+    for g in groups:
+        real = [ep.trajectory.task_success for ep in g.episodes]
+        out += sum(a != b for a, b in zip(
+            real, control_rewards(real, credit.reward_control, g.lease.group_id), strict=True))
     return out
+
+
+def unscorable_budgets(cfg: RunConfig) -> dict[str, object]:
+    """The values of the keys an unscorable step names (``closedloop.evaluate.scorable``)."""
+    return {"environment.max_turns": cfg.environment.max_turns,
+            "rollout.max_action_tokens": cfg.rollout.max_action_tokens,
+            "rollout.episode_deadline_s": cfg.rollout.episode_deadline_s,
+            "credit.censor_rule": cfg.credit.censor_rule}
 
 
 def update_sampler(run: Run, groups: Sequence[CollectedGroup]) -> None:
@@ -247,6 +250,8 @@ def train_step(run: Run, queue: AdmissionQueue, step: int, *, publish_inline: bo
     t1 = time.perf_counter()
     taken = queue.take(step, step, timeout_s=cfg.rollout.queue_timeout_s)
     times["admit_s"] = time.perf_counter() - t1
+    require_scored((ep.trajectory for g in taken.groups for ep in g.episodes),
+                   f"RL step {step}", cfg.credit.censor_rule, unscorable_budgets(cfg))
     t2 = time.perf_counter()
     batch = assign_credit(taken.admitted, cfg.credit)
     summary = summarize_credit(batch.credits)
@@ -281,7 +286,8 @@ def train_step(run: Run, queue: AdmissionQueue, step: int, *, publish_inline: bo
     run.log_metrics("rl_step", {**report.__dict__, "credit": {
         "n_groups": summary.n_groups, "n_scored_groups": summary.n_scored_groups,
         "zero_variance_rate": summary.zero_variance_rate,
-        "discard_reasons": dict(summary.discard_reasons)},
+        "discard_reasons": dict(summary.discard_reasons),
+        "relabelled_members": relabelled_members(taken.admitted, cfg.credit)},
         "policies": policies_record(run, step, token_lags, metrics),
         "admission": taken.report, "timing": taken.timing, **extra})
     run.state.orders.pop(step, None)

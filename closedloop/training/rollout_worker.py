@@ -60,14 +60,15 @@ def inference_copy(model: Any) -> Any:
 @dataclass(frozen=True)
 class WorkerParts:
     """What a worker's collections share besides the weights: the run id, the chat renderer,
-    the environment package (environments and task families), the turn limit and the
-    per-episode sampling streams' salt."""
+    the environment package (environments and task families), the turn limit, the
+    per-episode sampling streams' salt and the episode deadline (``scheduler_cancel``)."""
 
     run_id: str
     renderer: Any
     package: EnvPackage
     max_turns: int
     sampling_salt: int | None
+    episode_deadline_s: float | None = None
 
 
 class RolloutWorker:
@@ -166,7 +167,7 @@ class RolloutWorker:
         p = self.parts
         collector = make_collector(self.source(manifest), manifest, CollectorParts(
             p.renderer, None, p.run_id, writer, p.max_turns, p.package,
-            sampling_salt=p.sampling_salt))
+            sampling_salt=p.sampling_salt, episode_deadline_s=p.episode_deadline_s))
         leases = [collector.make_lease(s.group_id, s.task_id, s.seed, s.group_size)
                   for s in specs]
         return collector.rollout(leases, progress=progress)

@@ -282,7 +282,8 @@ def attach_roles(run: Run) -> None:
     precision = ctx.precision.precision
     run.trainer = TrainerRole(run.policy.model, cfg, precision)
     parts = WorkerParts(ctx.directory.run_id, run.policy.renderer, ctx.package,
-                        cfg.environment.max_turns, cfg.training.seed)
+                        cfg.environment.max_turns, cfg.training.seed,
+                        cfg.rollout.episode_deadline_s)
     run.worker = RolloutWorker(run.trainer.model, run.policy.tokenizer, ctx.registry, parts,
                                worker_id=GENERATOR_WORKER, seed=cfg.training.seed,
                                precision=precision)

@@ -77,6 +77,7 @@ class CollectorParts:
     max_turns: int
     package: EnvPackage | None = None
     sampling_salt: int | None = None  # per-episode sampling streams (CollectorConfig)
+    episode_deadline_s: float | None = None  # scheduler_cancel past it (CollectorConfig)
 
 
 def make_collector(source: ActionSource, manifest: PolicyManifest, parts: CollectorParts,
@@ -91,7 +92,8 @@ def make_collector(source: ActionSource, manifest: PolicyManifest, parts: Collec
     return Collector(source, parts.renderer, env_factory or package.make_env, parts.verifier,
                      package.family_split, manifest, parts.run_id, parts.writer,
                      CollectorConfig(max_turns=parts.max_turns,
-                                     sampling_salt=parts.sampling_salt))
+                                     sampling_salt=parts.sampling_salt,
+                                     episode_deadline_s=parts.episode_deadline_s))
 
 
 def run_package(env: EnvironmentSection) -> EnvPackage:

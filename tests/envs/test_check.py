@@ -35,8 +35,21 @@ NO_RUN = {"run": 0.0}
 def test_check_env_passes_on_the_fixtures():
     report = check_env(make_env, [JSON_TASK, CLI_TASK, READONLY_TASK], seeds=[0, 1],
                        n_random_sequences=2, sequence_length=8, rng_seed=3)
-    assert (report.resets, report.sequences, report.replays, report.fork_checks) == (6, 12, 12, 4)
+    # the read-only task has no write_file probe: its fork checks use a sampler action
+    assert (report.resets, report.sequences, report.replays, report.fork_checks) == (6, 12, 12, 6)
+    assert report.missing == ()
     assert report.steps > 12
+
+
+def test_a_task_without_the_declared_probe_gets_a_state_changing_sampler_action():
+    # spec_of= on tasks without write_file: the write_file probe has no action for them, and
+    # the search goes on in the env's own sampler instead of giving up (0 fork checks)
+    report = check_env(make_env, [READONLY_TASK], seeds=[0, 1], n_random_sequences=1,
+                       sequence_length=4, spec_of=source)
+    assert report.fork_checks == 2 and "fork_probe" not in report.missing
+    never = check_env(make_env, [READONLY_TASK], seeds=[0], n_random_sequences=1,
+                      sequence_length=4, sampler=lambda rng, task_id: "no action at all")
+    assert never.fork_checks == 0 and "fork_probe" in never.missing  # none exists: named
 
 
 def test_replay_property_over_200_random_sequences():

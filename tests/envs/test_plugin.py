@@ -28,6 +28,7 @@ from closedloop.envs.discovery import (
     resolve_section,
 )
 from closedloop.envs.terminal.package import terminal_package
+from closedloop.errors import SandboxInfraError, StateDecodeError, TamperDetected, VerifierFailure
 from closedloop.training.wiring import run_package
 from tests.envs.lockbox import ENV_ID, ENV_VERSION, LockboxVerifier, lockbox_package
 
@@ -181,9 +182,12 @@ def test_score_results_are_validated() -> None:
             ScoreResult(**fields)
 
 
-class _Crashing(LockboxVerifier):
+class _Raising(LockboxVerifier):
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
     def score_or_quarantine(self, task_id: str, final_state: bytes) -> ScoreResult:
-        raise KeyError("dials")
+        raise self.exc
 
 
 class _OutOfRange(LockboxVerifier):
@@ -196,14 +200,35 @@ class _WrongType(LockboxVerifier):
         return {"task_success": 1.0}
 
 
+class _OtherTask(LockboxVerifier):
+    def score_or_quarantine(self, task_id: str, final_state: bytes) -> ScoreResult:
+        return ScoreResult.of("other", 1.0, self.verifier_version)
+
+
 @pytest.mark.parametrize(("verifier", "words"), [
-    (_Crashing(), "verifier_error: KeyError"),
-    (_OutOfRange(), "verifier_error: ContractError"),
-    (_WrongType(), "returned dict, not a ScoreResult"),
+    (_Raising(VerifierFailure("grader timed out")), "verifier_failure: VerifierFailure: grader"),
+    (_Raising(SandboxInfraError("no tmp")), "verifier_failure: SandboxInfraError"),
+    (_Raising(TimeoutError("slow")), "verifier_failure: TimeoutError"),
+    (_Raising(TamperDetected("check.py changed")), "tamper_detected: TamperDetected"),
+    (_Raising(StateDecodeError("not json")), "invalid_state: StateDecodeError"),
 ])
-def test_a_guarded_verifier_turns_its_failures_into_unscored_results(verifier: Any,
-                                                                     words: str) -> None:
+def test_a_guarded_verifier_leaves_declared_failures_unscored(verifier: Any, words: str) -> None:
     result = guarded(verifier).score_or_quarantine("t", b"{}")
     assert result.reward is None and words in (result.quarantine_reason or "")
     assert result.verifier_version == verifier.verifier_version
     assert guarded(guarded(verifier)) == guarded(verifier)  # idempotent
+
+
+@pytest.mark.parametrize(("verifier", "kind", "words"), [
+    (_Raising(TypeError("unsupported operand")), TypeError, "unsupported operand"),
+    (_Raising(KeyError("dials")), KeyError, "dials"),
+    (_OutOfRange(), ContractError, "outside"),
+    (_WrongType(), ContractError, "returned dict, not a ScoreResult"),
+    (_OtherTask(), ContractError, "asked for 't', scored 'other'"),
+])
+def test_a_programming_error_in_a_verifier_propagates(verifier: Any, kind: type,
+                                                      words: str) -> None:
+    with pytest.raises(kind, match=words) as info:
+        guarded(verifier).score_or_quarantine("t", b"{}")
+    if kind is not ContractError or "outside" in words:  # raised inside: a note names it
+        assert "scoring task 't'" in "".join(getattr(info.value, "__notes__", []))

@@ -32,6 +32,7 @@ from closedloop.contracts import (
 )
 from closedloop.contracts.update import ObjectiveInputs
 from closedloop.envs.scripted import ExpertPolicy
+from closedloop.envs.terminal.families.overlap import audit_overlap
 from closedloop.envs.terminal.families.registry import FAMILIES, generate_task, get_bundle
 from closedloop.envs.terminal.verifier import Verifier
 from closedloop.evaluate.gates import GateReport, evaluate_gates
@@ -195,7 +196,9 @@ def build_run(root: Path, spec: Spec = Spec()) -> Path:
     _json(root / "config.json", {"config": cfg.to_dict(), "config_hash": cfg.config_hash(),
                                  "git_revision": "test", "versions": {}})
     _json(root / "trainer.json", TrainerConfig().__dict__)
-    _json(root / "tasks.json", {"train": train, "heldout": heldout, "discarded": []})
+    overlap = audit_overlap([get_bundle(t) for t in train], [get_bundle(t) for t in heldout])
+    _json(root / "tasks.json", {"train": train, "heldout": heldout, "discarded": [],
+                                "overlap": overlap.to_dict()})
     _json(root / "template.json", {"append_only": True})
     prompts = spec.prompts or (SYSTEM_PROMPT,) * (spec.steps + 1)
     _demos(root, train)
@@ -222,7 +225,8 @@ def build_run(root: Path, spec: Spec = Spec()) -> Path:
             step_metrics, zero, n = _step_metrics(admitted)
             consumed += [g.lease.group_id for g in admitted]
             save_checkpoint(root / "checkpoints", s + 1, {"w": torch.full((2, 2), float(s + 1))},
-                            {}, version_name(s + 1), consumed, None, {})
+                            {}, version_name(s + 1), consumed, None,
+                            {"ledger_digest": ledger.digest().to_dict()})
             if admitted:
                 ledger.mark_consumed([g.lease.group_id for g in admitted], s + 1,
                                      version_name(s + 1))

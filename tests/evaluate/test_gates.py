@@ -68,7 +68,7 @@ def _write(path: Path, data: Any) -> None:
 # --------------------------------------------------------------------------- the clean run
 def test_clean_run_passes_every_measurable_gate() -> None:
     report = clean_gates()
-    assert [g.name for g in report.gates] == list(GATE_NAMES) and len(GATE_NAMES) == 22
+    assert [g.name for g in report.gates] == list(GATE_NAMES) and len(GATE_NAMES) == 23
     for g in report.gates:
         want = None if g.name in NOT_MEASURED_ON_A_PLAIN_RUN else True
         assert g.passed is want, (g.name, g.detail)
@@ -410,6 +410,40 @@ def test_refused_duplicate_consumption_is_counted_not_failed(tmp_path: Path) -> 
     assert g.passed is True and g.evidence["duplicate_attempts"] == 1
 
 
+LEDGER_GATES = ["max_version_lag", "exactly_once_groups", "stale_drop_stratified"]
+
+
+def _edit_ledger(run: Path, sql: str) -> None:
+    import sqlite3
+    conn = sqlite3.connect(run / "ledger.sqlite")
+    conn.execute(sql)
+    conn.commit()
+    conn.close()
+
+
+def test_a_tampered_ledger_row_fails_the_ledger_gates(tmp_path: Path) -> None:
+    # one digit of a task id changed: still a valid SQLite file, rows consistent with their
+    # events, but not with the digest the checkpoint recorded
+    run = copy_run(tmp_path / "run")
+    assert evaluate_gates(run, only=LEDGER_GATES).failed == []
+    _edit_ledger(run, "UPDATE groups SET task_id = task_id || '1' WHERE seq = 2")
+    report = evaluate_gates(run, only=LEDGER_GATES)
+    assert report.failed == LEDGER_GATES
+    for g in report.gates:
+        assert "LedgerCorruptError" in g.detail and "ledger.sqlite" in g.detail
+        assert "do not match their recorded hash" in g.detail
+
+
+def test_a_ledger_row_that_is_not_utf8_is_a_named_error(tmp_path: Path) -> None:
+    run = copy_run(tmp_path / "run")
+    _edit_ledger(run, "UPDATE groups SET run_id = CAST(X'ff61' AS TEXT) WHERE seq = 3")
+    report = evaluate_gates(run, only=LEDGER_GATES)
+    assert report.failed == LEDGER_GATES
+    detail = report.gate("exactly_once_groups").detail
+    assert "LedgerCorruptError" in detail and str(run / "ledger.sqlite") in detail
+    assert "groups row 3" in detail and "OperationalError" not in detail
+
+
 def test_stratified_rates_cover_every_sample() -> None:
     ev = clean_gates().gate("stale_drop_stratified").evidence
     assert ev["samples"] == 8
@@ -503,8 +537,8 @@ def test_shuffled_control_with_stable_gain_fails(tmp_path: Path) -> None:
     shutil.rmtree(exp / "arms" / "shuffled")  # a null arm that gains on every task
     build_eval_run(exp / "arms" / "shuffled", lambda t, k: False, lambda t, k: True)
     g = gate(exp, "shuffled_reward_control")
-    assert g.passed is False and g.evidence["ci"][0] > 0
-    assert g.evidence["baseline"] == "frozen start"
+    assert g.passed is False and g.evidence["suites"]["heldout"]["ci"][0] > 0
+    assert g.evidence["baseline"] == "frozen"
 
 
 def test_experiment_with_every_gate_passing() -> None:
@@ -512,7 +546,8 @@ def test_experiment_with_every_gate_passing() -> None:
     assert report.run_dir.endswith("arms/rloo")  # the RL arm's gates decide
     assert report.all_passed and report.exit_code == 0, report.failed + report.not_measured
     shuffled = report.gate("shuffled_reward_control")
-    assert shuffled.evidence["estimate"] == 0.0 and shuffled.evidence["tasks"] == 4
+    heldout = shuffled.evidence["suites"]["heldout"]
+    assert heldout["estimate"] == 0.0 and heldout["tasks"] == 4
     assert report.gate("train_inference_mismatch").evidence["source"] == "audit.json"
     assert "ALL GATES PASSED" in format_table(report)
 

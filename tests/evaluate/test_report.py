@@ -145,9 +145,20 @@ def test_experiment_report_states_gain_only_with_all_gates_and_ci(
     assert arms["shuffled"]["rl_minus_null"]["what"] == "RL final - shuffled final"
     assert arms["shuffled"]["rl_minus_null"]["estimate"] == 0.5
     assert all("rl_minus_null" not in arms[n] for n in ("frozen", "rloo", "sft_only"))
-    claim = data["claim"]
-    assert claim["gain"] is True and claim["comparison"] == "RL final - frozen start"
-    assert "+0.500" in claim["statement"]
+    claim = data["claim"]  # led by the reward's share, RL - frozen beside it
+    assert claim["gain"] is True
+    assert claim["comparison"] == "RL final - shuffled final (held-out, template-disjoint)"
+    assert claim["beside"]["what"] == "RL final - frozen (held-out, template-disjoint)"
+    assert "the reward's share; beside it, RL final - frozen" in claim["statement"]
+    by_suite = data["claim_by_suite"]["heldout"]
+    assert by_suite["rl_minus_null"]["ci"] == [0.5, 0.5]
+    assert by_suite["rl_minus_frozen"]["ci"] == [0.5, 0.5]
+    assert by_suite["null_minus_frozen"]["estimate"] == 0.0
+    diag = data["diagnostics"]["arms"]["heldout"]
+    assert set(diag) == {"frozen", "rl", "shuffled"}
+    assert diag["rl"]["episodes"] == 8 and diag["rl"]["turns_per_episode"] > 0
+    updates = data["diagnostics"]["updates"]
+    assert [u["step"] for u in updates] == [0, 1] and all(u["passes"] == [] for u in updates)
 
 
 @pytest.mark.parametrize(("suite", "key", "title"), [

@@ -201,6 +201,15 @@ def test_a_ratio_objective_takes_several_optimizer_steps_on_one_batch(policy, ob
             drift = [m["ratio/abs_log_ratio_max"] for m in result.passes]
             assert drift[0] < 1e-4 < drift[1] and drift[2] > 1e-4, drift
             assert result.metrics["ratio/abs_log_ratio_max"] == drift[0]
+            # every pass's tails and clip fractions are logged, not only the first's
+            logged = [result.metrics[f"pass{k}/ratio/abs_log_ratio_max"] for k in range(3)]
+            assert logged == drift
+            for k in range(3):
+                for key in ("clip/clip_frac_token", "clip/clip_frac_episode",
+                            "ratio/abs_log_ratio_p99", "grad_mass/grad_mass_clipped_pos"):
+                    assert result.metrics[f"pass{k}/{key}"] == result.passes[k][key]
+            assert "pass3/ratio/abs_log_ratio_max" not in result.metrics
+            assert result.metrics["pass0/grad_mass/grad_mass_clipped_neg"] == 0.0  # ρ = 1
         weights.append(_trained(model))
     reused, repeated, once = weights
     for name in reused:
@@ -257,3 +266,52 @@ def test_sft_lowers_the_demonstration_nll(policy, precision):
     assert result.trained_action_tokens == 3 * sum(
         len(t.action_token_ids) for d in demos for t in d.turns)
     assert result.losses[-1] < result.losses[0]
+
+
+def test_a_clip_removes_mass_by_advantage_sign_and_credit_length_correlates(policy):
+    """At ρ far above 1 + ε a positive advantage is clipped (its mass counted under A > 0) and
+    a negative one is not; below 1 − ε the other way round; the advantage-length correlation
+    is Pearson's over the episodes."""
+    from closedloop.learn.trainer import advantage_length_correlation
+
+    eps = [episode(policy, s, n_turns=1 + s % 2, episode_id=f"c{s}") for s in range(3)]
+    batch = build_training_batch(eps)
+    shifted = shift_targets(batch)
+    inflated = dataclasses.replace(batch, behavior_logprobs_B_T=batch.behavior_logprobs_B_T - 1.0)
+    model = copy.deepcopy(policy)
+    trainer = Trainer(model, TrainerConfig(objective="ppo_clip", learning_rate=0.0,
+                                           kl_beta=0.0))
+    m = trainer.step(inflated, torch.tensor([1.0, -1.0, 1.0])).metrics
+    assert m["grad_mass/grad_mass_clipped_pos"] > 0 and m["grad_mass/grad_mass_clipped_neg"] == 0
+    deflated = dataclasses.replace(batch, behavior_logprobs_B_T=batch.behavior_logprobs_B_T + 1.0)
+    m = trainer.step(deflated, torch.tensor([-1.0, 1.0, -1.0])).metrics
+    assert m["grad_mass/grad_mass_clipped_neg"] > 0 and m["grad_mass/grad_mass_clipped_pos"] == 0
+    lengths = shifted.mask_B_T.sum(dim=1)
+    assert m["credit/adv_len_corr"] == advantage_length_correlation(
+        torch.tensor([-1.0, 1.0, -1.0]), lengths)
+    n = torch.tensor([3, 5, 9, 4])
+    assert advantage_length_correlation(2.0 * n - 1, n) == pytest.approx(1.0)
+    assert advantage_length_correlation(-n.double(), n) == pytest.approx(-1.0)
+    # hand-worked: A = (1, -1, 1, -1), n̄ = 5.25: Σ A (n - n̄) = 3, Σ A² = 4,
+    # Σ (n - n̄)² = 20.75, so r = 3 / sqrt(4 · 20.75) = 3 / sqrt(83)
+    assert advantage_length_correlation(torch.tensor([1.0, -1, 1, -1]), n) == pytest.approx(
+        3 / 83 ** 0.5, rel=1e-9)
+    assert advantage_length_correlation(torch.ones(4), n) is None
+
+
+def test_a_token_budget_cuts_the_last_sft_batch_to_the_nearest_episode(policy):
+    """The SFT-only control matches the RL arm's trained action tokens: the batch that reaches
+    the budget is cut to the prefix of episodes nearest it, never a whole batch past it."""
+    from closedloop.learn.sft import action_tokens, fit_to_budget
+
+    eps = [episode(policy, s, n_turns=2, episode_id=f"b{s}") for s in range(6)]
+    sizes = [action_tokens(e) for e in eps]
+    cut, last = fit_to_budget(eps, sizes[0] + sizes[1] // 3)
+    assert len(cut) == 1 and last  # nearer to one episode than to two
+    cut, last = fit_to_budget(eps, sum(sizes) + 50)
+    assert len(cut) == 6 and not last  # the whole batch is still short of the budget
+    budget = sizes[0] + sizes[1] + sizes[2] // 2 + 1
+    result = supervised_warm_start(copy.deepcopy(policy), eps, 0, epochs=3, batch_size=6,
+                                   learning_rate=1e-3, seed=0, max_tokens=budget)
+    assert abs(result.trained_action_tokens - budget) <= max(sizes) // 2 + 1
+    assert result.optimizer_steps == 1

@@ -234,3 +234,58 @@ def test_malformed_and_surrogate_text_is_an_observation_not_an_error(tmp_path, r
     assert ep.trajectory.termination == Termination.AGENT_FINISH
     _, (back,) = load_episodes(trace)
     assert back.turns[1].tool_args == {"path": "a\udbff.txt", "content": "x"}
+
+
+class _VerifierBug(Verifier):
+    def score_detailed(self, task_id, final_state):
+        raise TypeError("grader bug")
+
+
+class _VerifierTimeout(Verifier):
+    def score_detailed(self, task_id, final_state):
+        from closedloop.errors import VerifierFailure
+        raise VerifierFailure("grader ran past its 5 s")
+
+
+def _collect_scored_by(renderer, verifier):
+    from closedloop.contracts import guarded, sha256_hex
+    task = list_tasks(split="train")[0]
+    source = ScriptedSource(lambda task_id, key: GoldPolicy(task_id), renderer.encode)
+    collector = make_collector(source, manifest_for(renderer, sha256_hex("scripted")),
+                               CollectorParts(renderer, guarded(verifier), "run-v", None, 8))
+    (group,) = collector.collect([collector.make_lease("g0", task, 11, 1)])
+    return group.episodes[0]
+
+
+def test_a_verifier_programming_error_stops_collection_and_a_declared_failure_is_unscored(
+        renderer):
+    with pytest.raises(TypeError, match="grader bug") as info:
+        _collect_scored_by(renderer, _VerifierBug())
+    assert any("programming error" in note for note in info.value.__notes__)
+    ep = _collect_scored_by(renderer, _VerifierTimeout())
+    assert ep.trajectory.reward is None
+    assert ep.trajectory.quarantine_reason.startswith("verifier_failure: VerifierFailure")
+
+
+def test_an_episode_past_its_deadline_is_cancelled_not_scored(renderer):
+    from closedloop.contracts import sha256_hex
+    from closedloop.rollout.collector import Collector, CollectorConfig
+
+    task = list_tasks(split="train")[0]
+
+    class Slow:
+        def act(self, observation):
+            import time
+            time.sleep(0.05)
+            return Action.tool("list_dir", path=".")
+
+    source = ScriptedSource(lambda task_id, key: Slow(), renderer.encode)
+    base = make_collector(source, manifest_for(renderer, sha256_hex("scripted")),
+                          CollectorParts(renderer, Verifier(), "run-d", None, 8,
+                                         episode_deadline_s=0.12))
+    assert isinstance(base, Collector) and base.config.episode_deadline_s == 0.12
+    (group,) = base.collect([base.make_lease("g0", task, 11, 2)])
+    for ep in group.episodes:
+        assert ep.trajectory.termination == Termination.SCHEDULER_CANCEL
+        assert ep.trajectory.reward is None and 1 <= len(ep.turns) < 8
+    assert CollectorConfig().episode_deadline_s is None  # no deadline unless configured

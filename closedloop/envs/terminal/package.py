@@ -27,6 +27,7 @@ from closedloop.envs.check import random_actions
 from closedloop.envs.scripted import ExpertPolicy, NoisyExpertPolicy, RandomPolicy
 from closedloop.envs.terminal.env import ENV_VERSION, TerminalRepairEnv
 from closedloop.envs.terminal.families.base import HINT_LEVELS
+from closedloop.envs.terminal.families.overlap import DEDUP_RULE_VERSION
 from closedloop.envs.terminal.families.registry import get_bundle, get_spec
 from closedloop.envs.terminal.fixtures import build_fixtures
 from closedloop.envs.terminal.task_sets import build_family_disjoint_set, build_task_sets
@@ -170,5 +171,5 @@ def terminal_package() -> EnvPackage:
             "random": lambda task_id, seed, rate: RandomPolicy(seed=seed),
         },
         fixtures=fixtures, retain_tasks=retain_tasks, config_keys=CONFIG_KEYS,
-        check_options=check_options,
+        check_options=check_options, overlap_rule=DEDUP_RULE_VERSION,
         description="Terminal/file repair: JSON, schema, file and CLI repair task families.")

@@ -11,7 +11,11 @@ argv after the source: root, env seed, uid to drop to (-1: none), rlimits
 The bootstrap sets the resource limits, opens the refusal log, drops privileges when asked and
 possible, seeds ``random``, neutralizes ``_posixsubprocess.fork_exec``, installs the audit hook
 and runs the program. The hook binds every function it calls as a default argument, so a
-program that rebinds ``os.path.realpath`` or ``builtins.isinstance`` cannot blind it.
+program that rebinds ``os.path.realpath`` or ``builtins.isinstance`` cannot blind it; and it
+refuses rebinding ``__code__``, ``__defaults__``, ``__kwdefaults__`` or ``__globals__`` of the
+bootstrap's own functions (code compiled as ``<sandbox>``: a program that reaches the hook's
+frame through a traceback still cannot change what it captured). The standard library's own
+use of those attributes on its functions (``namedtuple``, ``functools``) runs.
 """
 
 from __future__ import annotations
@@ -19,10 +23,14 @@ from __future__ import annotations
 import os
 import posix
 import sys
-from types import MappingProxyType
+from types import FunctionType, MappingProxyType
 from typing import Any, NoReturn
 
 BOOT_FAILURE_EXIT = 86
+SANDBOX_FILENAME = "<sandbox>"
+"""The name the bootstrap is compiled under: its frames are dropped from tracebacks, and the
+code, defaults and globals of its functions (the audit hook and what it calls) cannot be
+rebound. Any other function's may (``collections.namedtuple`` sets ``__new__.__defaults__``)."""
 _PROCESS_EVENTS = ("os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork",
                    "os.forkpty", "subprocess.Popen", "pty.spawn", "os.kill", "os.killpg",
                    "signal.pthread_kill", "sqlite3.enable_load_extension")
@@ -119,7 +127,8 @@ def _make_hook(log_fd: int, writable: tuple[str, ...], readable: tuple[str, ...]
              _str: Any = str, _len: Any = len, _check: Any = check_path, _deny: Any = deny,
              _deny_events: Any = deny_events, _write_events: Any = _WRITE_EVENTS,
              _read_events: Any = _READ_EVENTS, _deny_imports: Any = _DENY_IMPORTS,
-             _guarded: Any = _GUARDED_ATTRS, _wflags: int = _WFLAGS) -> None:
+             _guarded: Any = _GUARDED_ATTRS, _wflags: int = _WFLAGS,
+             _function: Any = FunctionType, _own: str = SANDBOX_FILENAME) -> None:
         if event == "open":
             path, mode, flags = args
             write = (flags & _wflags) != 0 if _type(flags) is _int else (
@@ -142,7 +151,8 @@ def _make_hook(log_fd: int, writable: tuple[str, ...], readable: tuple[str, ...]
                 _check(event, args[0], False)
         elif event == "import" and args and args[0] in _deny_imports:
             _deny("import", args[0])
-        elif event == "object.__setattr__" and _len(args) > 1 and args[1] in _guarded:
+        elif event == "object.__setattr__" and _len(args) > 1 and args[1] in _guarded and \
+                _type(args[0]) is _function and args[0].__code__.co_filename == _own:
             _deny("setattr", args[1])
 
     return hook
@@ -265,7 +275,7 @@ def _report(exc: BaseException) -> None:
     kept = []
     tb = exc.__traceback__
     while tb is not None:
-        if tb.tb_frame.f_code.co_filename != "<sandbox>":
+        if tb.tb_frame.f_code.co_filename != SANDBOX_FILENAME:
             kept.append((tb.tb_frame, tb.tb_lasti, tb.tb_lineno))
         tb = tb.tb_next
     new_tb = None

@@ -33,6 +33,7 @@ from closedloop.errors import RunDirError, UnknownGateError
 from closedloop.evaluate.gates import environment as _env
 from closedloop.evaluate.gates import exactly_once as _ledger
 from closedloop.evaluate.gates import live as _live
+from closedloop.evaluate.gates import overlap as _overlap
 from closedloop.evaluate.gates import signal as _signal
 from closedloop.evaluate.gates import traces as _traces
 from closedloop.evaluate.gates.base import Gate, GateFn, GateOptions, GateReport
@@ -47,6 +48,7 @@ GATES: tuple[tuple[str, GateFn], ...] = (
     ("reset_state_hash", _env.gate_reset_state_hash),
     ("restore_replay", _env.gate_restore_replay),
     ("fork_isolation_and_seal", _env.gate_fork_isolation),
+    ("heldout_overlap", _overlap.gate_heldout_overlap),
     ("manifest_scaffold_drift", _traces.gate_scaffold_drift),
     ("behavior_logprobs_finite_aligned", _traces.gate_behavior_logprobs),
     ("policy_roles_unambiguous", _ledger.gate_policy_roles),

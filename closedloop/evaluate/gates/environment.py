@@ -30,14 +30,17 @@ from closedloop.envs.discovery import resolve_section
 from closedloop.envs.verifier_audit import audit_verifier
 from closedloop.errors import EpisodeDoneError, SealedSnapshotError
 from closedloop.evaluate.gates.base import MAX_LISTED, Gate, GateOptions, make_gate
+from closedloop.evaluate.package_check import (
+    FN_UPPER_BOUND,
+    FP_UPPER_BOUND,
+    verifier_audit_problems,
+)
 from closedloop.evaluate.rundir import RunDir
 from closedloop.rollout.replay import replay_episode
 
 __all__ = ["FN_UPPER_BOUND", "FP_UPPER_BOUND", "gate_fork_isolation", "gate_reset_state_hash",
            "gate_restore_replay", "gate_verifier_fp_fn", "package_of"]
 
-FP_UPPER_BOUND = 0.10
-FN_UPPER_BOUND = 0.15
 SEAL_MAX_STEPS = 64
 
 
@@ -252,19 +255,7 @@ def gate_verifier_fp_fn(run: RunDir, opts: GateOptions) -> Gate:
                 "fn_upper_bound": FN_UPPER_BOUND, "run_verifier_versions": used}
     evidence.pop("by_family")
     evidence["by_family"] = {k: v.__dict__ for k, v in audit.by_family.items()}
-    problems = []
-    if audit.fp_ci is None or audit.fn_ci is None:
-        problems.append(f"no denominator: {audit.n_negative} negatives, {audit.n_positive} "
-                        "positives")
-    else:
-        if audit.fp_ci[1] > FP_UPPER_BOUND:
-            problems.append(f"FP {audit.fp}/{audit.n_negative}: upper CI {audit.fp_ci[1]:.3f}"
-                            f" > {FP_UPPER_BOUND}")
-        if audit.fn_ci[1] > FN_UPPER_BOUND:
-            problems.append(f"FN {audit.fn}/{audit.n_positive}: upper CI {audit.fn_ci[1]:.3f}"
-                            f" > {FN_UPPER_BOUND}")
-    if audit.tamper_missed:
-        problems.append(f"{audit.tamper_missed}/{audit.n_tamper} tamper fixtures not quarantined")
+    problems = verifier_audit_problems(audit)
     other = [v for v in used if v != audit.verifier_version]
     if other:
         problems.append(f"the audit ({audit.verifier_version}) does not cover {other}")

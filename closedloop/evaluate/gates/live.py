@@ -6,23 +6,18 @@ shuffled-reward arm. (The environment and verifier gates are in
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from closedloop.contracts import Episode
 from closedloop.contracts.update import ObjectiveInputs
+from closedloop.evaluate.claim import NULL_GATE_SUITES, SuiteArms, experiment_arms, suite_arms
 from closedloop.evaluate.gates.base import Gate, GateOptions, make_gate
 from closedloop.evaluate.gates.signal import learning_signal
-from closedloop.evaluate.rundir import (
-    RunDir,
-    arm_evaluation,
-    eval_summary,
-    experiment_of,
-    find_arms,
-    load_run,
-)
-from closedloop.evaluate.stats import paired_bootstrap_ci
+from closedloop.evaluate.heldout import paired_difference
+from closedloop.evaluate.rundir import RunDir, eval_summary, experiment_of, find_arms
 from closedloop.learn.objectives import get_objective
 from closedloop.rollout.tensors import build_training_batch, shift_targets
 
@@ -106,46 +101,66 @@ def gate_episode_sum(run: RunDir, opts: GateOptions) -> Gate:
 
 
 # --------------------------------------------------------------------------- controls
-def _arm_success(path: Any, label: str | None = None) -> tuple[str, dict[str, float] | None]:
-    run = load_run(path)
-    used, summary = arm_evaluation(run) if label is None else (label, eval_summary(run, label))
-    return used, None if summary is None else summary.per_task_success()
+def _null_suites(run: RunDir) -> list[SuiteArms]:
+    """The suites whose null row the gate reads (``NULL_GATE_SUITES``)."""
+    return [s for s in suite_arms(run, opts_seed(run))
+            if s.suite.split(":")[0] in NULL_GATE_SUITES]
+
+
+def opts_seed(run: RunDir) -> int:
+    """The run's training seed (the bootstrap seed of the report's intervals)."""
+    return int(run.section("training").get("seed", 0))
 
 
 def gate_shuffled_control(run: RunDir, opts: GateOptions) -> Gate:
-    """The shuffled-reward arm shows no stable held-out gain: the paired bootstrap interval of
-    (shuffled final - baseline) by task must not lie above 0. Counted only when the RL arm had
-    a learning signal (``learning_signal``); otherwise not measured. Baseline: the frozen arm's
-    evaluation (its final one, else its start one), else the shuffled arm's own start."""
+    """The shuffled-reward arm shows no stable gain on any suite: on the held-out, the
+    family-disjoint and every retain suite (``closedloop.evaluate.claim``), the paired bootstrap
+    interval of (shuffled final − frozen) by task must not lie above 0. A suite the RL arm was
+    evaluated on but the shuffled arm was not is not measured, and so is the gate (a null
+    checked on fewer suites than the claim proves nothing about the others). Counted only when
+    the RL arm had a learning signal (``learning_signal``); otherwise not measured. Baseline:
+    the frozen arm (held-out: its final evaluation, else its start one; other suites: its
+    start), else the shuffled arm's own start."""
     signal = learning_signal(run)
     if not signal.sufficient:
         return Gate("shuffled_reward_control", None, signal.to_dict(),
                     "not measured: the null control counts only when the RL arm had a learning "
                     "signal (see learning_signal)")
-    exp = experiment_of(run.path)
-    arms = find_arms(exp) if exp is not None else {}
-    shuffled = next((p for n, p in sorted(arms.items()) if "shuffl" in n.lower()), None)
-    if shuffled is None:
-        return Gate("shuffled_reward_control", None, {"arms": sorted(arms)},
+    arms = experiment_arms(run)
+    if arms.shuffled is None:
+        exp = experiment_of(run.path)
+        return Gate("shuffled_reward_control", None,
+                    {"arms": sorted(find_arms(exp)) if exp is not None else []},
                     "not measured: no experiment with a shuffled-reward arm")
-    frozen = next((p for n, p in sorted(arms.items()) if "frozen" in n.lower()), None)
-    _, treated = _arm_success(shuffled, "final")
-    used, base = _arm_success(frozen) if frozen is not None else _arm_success(shuffled, "start")
-    baseline = f"frozen {used}" if frozen is not None else "shuffled start"
-    if treated is None or base is None:
-        return Gate("shuffled_reward_control", None, {"arms": sorted(arms)},
-                    "not measured: the shuffled arm or its baseline has no scored evaluation")
-    common = sorted(set(treated) & set(base))
-    if len(common) < 2:
-        return Gate("shuffled_reward_control", None, {"tasks": len(common)},
-                    "not measured: fewer than 2 tasks scored in both arms")
-    ci = paired_bootstrap_ci({k: treated[k] for k in common}, {k: base[k] for k in common},
-                             n_boot=opts.bootstrap, seed=opts.seed)
-    evidence = {"baseline": baseline,
-                "tasks": len(common), "estimate": ci.estimate, "ci": [ci.lo, ci.hi],
-                "experiment": str(exp)}
-    problems = [f"shuffled rewards gained {ci.estimate:+.3f} [{ci.lo:+.3f}, {ci.hi:+.3f}] over "
-                f"{len(common)} tasks"] if ci.lo > 0 else []
-    return make_gate("shuffled_reward_control", problems, evidence,
-                     f"shuffled - baseline {ci.estimate:+.3f} [{ci.lo:+.3f}, {ci.hi:+.3f}], "
-                     f"{len(common)} tasks: no stable gain")
+    suites = _null_suites(run)
+    if arms.frozen is None:  # the shuffled arm's own start stands in for the frozen arm
+        start = eval_summary(arms.shuffled, "start")
+        suites = [replace(s, frozen=start) if s.suite == "heldout" else s for s in suites]
+    rows: dict[str, Any] = {}
+    problems, unmeasured = [], []
+    for s in suites:
+        c = paired_difference(s.shuffled, s.frozen, opts.seed,
+                              f"shuffled final - {'frozen' if arms.frozen else 'start'} "
+                              f"({s.title})", n_boot=opts.bootstrap)
+        rows[s.suite] = c
+        if not c["measured"]:
+            if s.rl is not None:
+                unmeasured.append(f"{s.suite} ({c.get('detail')})")
+            continue
+        lo, hi = c["ci"]
+        if lo > 0:
+            problems.append(f"{s.suite}: shuffled rewards gained {c['estimate']:+.3f} "
+                            f"[{lo:+.3f}, {hi:+.3f}] over {c['tasks']} tasks")
+    evidence = {"baseline": "frozen" if arms.frozen else "shuffled start", "suites": rows,
+                "not_measured": unmeasured, "experiment": str(experiment_of(run.path))}
+    measured = [k for k, c in rows.items() if c["measured"]]
+    if problems:
+        return make_gate("shuffled_reward_control", problems, evidence, "")
+    if unmeasured or not measured:
+        return Gate("shuffled_reward_control", None, evidence,
+                    "not measured on every suite: " + (", ".join(unmeasured) or "no suite "
+                                                       "with both arms evaluated"))
+    spans = "; ".join(f"{k} {rows[k]['estimate']:+.3f} [{rows[k]['ci'][0]:+.3f}, "
+                      f"{rows[k]['ci'][1]:+.3f}]" for k in measured)
+    return make_gate("shuffled_reward_control", [], evidence,
+                     f"shuffled - baseline, no stable gain on {len(measured)} suites: {spans}")

@@ -18,7 +18,10 @@ of a fresh synchronous batch. Each RL step logs, over the batch's action tokens,
   (``closedloop.learn.logprob_audit.audit_tolerances``). bf16 rounding on both sides gives |log r| a
   rare-token tail whose maximum grows with the number of tokens it is taken over, so a step's
   max is not comparable with the audit's max over another number of tokens; a quantile is.
-  The step max is reported in the evidence, not gated;
+  The step max is reported in the evidence, not gated. Over 200 seeds of a bf16 rounding
+  model a healthy run passes the p99 rule every time where a max against 2 × the baseline's
+  max fails more than a third of them, and scoring at another temperature fails every time
+  (``tests/evaluate/test_ratio_gate_seeds.py``);
 - a step logged no value of the statistic it is gated on.
 
 Objectives with ratios (``ppo_clip``) correct for the mismatch, so the gate does not apply to them.

@@ -144,6 +144,20 @@ def _grad_mass(batch: PreparedBatch, coef_B_T: torch.Tensor, edges: tuple[int, i
     return out
 
 
+def _clipped_mass(batch: PreparedBatch, clipped_B_T: torch.Tensor | None
+                  ) -> dict[str, float | None]:
+    """Σ |A_i| w_it ρ_it over the clipped action tokens, for A_i > 0 and for A_i < 0: the
+    policy-gradient mass the clip removed, by advantage sign (``None`` without a clip). Whole
+    batch weights make the sums of micro-batches the whole batch's."""
+    if clipped_B_T is None:
+        return {"grad_mass_clipped_pos": None, "grad_mass_clipped_neg": None}
+    ratio = torch.exp((batch.new.detach() - batch.beh).double())
+    mass_B_T = (batch.adv_B.double().abs()[:, None] * batch.weights.double().abs() * ratio
+                * (clipped_B_T & batch.on))
+    return {"grad_mass_clipped_pos": float(mass_B_T[batch.adv_B > 0].sum()),
+            "grad_mass_clipped_neg": float(mass_B_T[batch.adv_B < 0].sum())}
+
+
 def finish(objective: str, inputs: ObjectiveInputs, batch: PreparedBatch, pg_loss: torch.Tensor,
            pg_coef_B_T: torch.Tensor, clipped_B_T: torch.Tensor | None) -> ObjectiveOutput:
     """Add the KL term to the policy term and compute every diagnostic of the output.
@@ -174,6 +188,7 @@ def finish(objective: str, inputs: ObjectiveInputs, batch: PreparedBatch, pg_los
         **ratio_stats(log_ratio_N),
         grad_mass_total=float(coef.abs().sum()),
         **_grad_mass(batch, coef, inputs.length_band_edges),
+        **_clipped_mass(batch, clipped_B_T),
         grad_coef_B_T=coef,
         log_ratio_N=log_ratio_N,
         n_episodes=int(batch.on.shape[0]),

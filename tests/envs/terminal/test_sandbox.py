@@ -2,6 +2,7 @@
 
 import os
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -156,7 +157,6 @@ def test_raw_fork_exec_is_neutralized():
 @pytest.mark.parametrize("src,kind", [
     ("import ctypes", "import"),
     ("import gc\ngc.get_objects()", "introspection"),
-    ("def f(a=1):\n    pass\nf.__defaults__ = (2,)", "setattr"),
     ("import resource\nresource.setrlimit(resource.RLIMIT_CPU, (100, 100))", "rlimit"),
 ])
 def test_escape_hatches_are_refused(src, kind):
@@ -236,6 +236,33 @@ def test_the_hook_cannot_be_blinded_from_inside(src, kind):
     assert_refused(run(src), kind)
 
 
+# a program that reaches the hook's frame through the traceback of a refused event tries to
+# blind the functions the hook captured (their defaults hold every primitive it calls)
+BLIND_THE_HOOK = """import os
+try:
+    os.system('true')
+except PermissionError as exc:
+    tb = exc.__traceback__
+    while tb is not None:
+        for value in list(tb.tb_frame.f_locals.values()):
+            if callable(value) and getattr(value, '__defaults__', None):
+                value.__defaults__ = tuple(None for _ in value.__defaults__)
+        tb = tb.tb_next
+os.system('true')
+"""
+
+
+def test_the_hook_functions_cannot_be_rebound_from_a_traceback():
+    assert_refused(run(BLIND_THE_HOOK), "setattr", "__defaults__")
+
+
+def test_a_programs_own_functions_may_set_their_defaults():
+    src = ("def f(a=1):\n    return a\nf.__defaults__ = (2,)\nf.__kwdefaults__ = None\n"
+           "g = lambda: 3\nf.__code__ = g.__code__\nprint(f())\n")
+    r = run(src)
+    assert (r.exit_code, r.stdout) == (0, "3\n"), r.stderr
+
+
 def test_hook_functions_hold_no_mutable_closures():
     from closedloop.envs.terminal.sandbox_child import _make_hook
 
@@ -245,6 +272,6 @@ def test_hook_functions_hold_no_mutable_closures():
         assert fn.__code__.co_freevars == (), fn.__name__
         for value in fn.__defaults__ or ():
             assert not isinstance(value, dict | list | set), (fn.__name__, value)
-            if callable(value) and hasattr(value, "__code__") and value not in seen:
+            if isinstance(value, types.FunctionType) and value not in seen:
                 seen.append(value)
     assert {f.__name__ for f in seen} == {"hook", "check_path", "resolve", "deny"}

@@ -12,7 +12,7 @@
   public world data (a clue the model has not yet been shown) nor the hidden data.
 
 Everything environment-specific (rules, verifier, scaffold, sampler, probe, scripted policies,
-fixtures) is passed in.
+fixtures, and optionally a feature codec and a shaping potential) is passed in.
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ from closedloop.contracts.package import (
     ActionSampler,
     EnvPackage,
     EnvTaskSets,
+    FeatureCodec,
     ForkProbe,
+    Potential,
     Rules,
     ScriptedFactory,
     TaskInfo,
@@ -77,7 +79,8 @@ def sim_package(*, env_id: str, rules: Callable[[], Rules], catalog: TaskCatalog
                 system_prompt: str, action_sampler: ActionSampler, fork_probe: ForkProbe,
                 scripted: Mapping[str, ScriptedFactory],
                 fixtures: Callable[[tuple[str, ...] | None], Sequence[Any]] | None,
-                description: str) -> EnvPackage:
+                description: str, feature_codec: FeatureCodec | None = None,
+                potential: Potential | None = None) -> EnvPackage:
     """The ``EnvPackage`` of one simulated environment (see the module docstring)."""
     env_version = rules().env_version
     return EnvPackage(
@@ -86,4 +89,5 @@ def sim_package(*, env_id: str, rules: Callable[[], Rules], catalog: TaskCatalog
         task_info=lambda task_id: catalog_task_info(catalog, task_id),
         make_verifier=make_verifier, tool_schemas=tool_schemas, system_prompt=system_prompt,
         action_sampler=action_sampler, fork_probe=fork_probe, scripted=scripted,
-        fixtures=fixtures, description=description)
+        fixtures=fixtures, description=description, feature_codec=feature_codec,
+        potential=potential)

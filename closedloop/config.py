@@ -1,12 +1,12 @@
-"""One validated run config. The seed's smoke YAML (seed 000 §7) is valid input as written, with
-``model:`` pointing at the embedded model or a local folder.
+"""One validated run config. The reference smoke YAML (configs/smoke_seed.yaml) is valid input as
+written, with ``model:`` pointing at the embedded model or a local folder.
 
 Every section is a frozen dataclass; loading is strict: an unknown or misspelled key, a wrong
-type, a value outside its allowed set, or a value the run does not implement (the seed's keys
-that state what the run does, ``_HONOURED_ONLY``) raises ``ConfigError`` naming the dotted key.
+type, a value outside its allowed set, or a value the run does not implement (the smoke YAML's
+keys that state what the run does, ``_HONOURED_ONLY``) raises ``ConfigError`` naming the dotted key.
 The README's config reference lists every key, its default and what it does. The sections
 after ``evaluation`` are closedloop's own (training budget, SFT warm start, run directory) and
-all have defaults, so the seed's YAML needs none of them.
+all have defaults, so the smoke YAML needs none of them.
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ class EvaluationSection:
 
 @dataclass(frozen=True)
 class TrainingSection:
-    """closedloop's training budget (not in the seed's YAML)."""
+    """closedloop's training budget (not in the smoke YAML)."""
 
     rl_steps: int = 4
     groups_per_step: int = 2
@@ -309,7 +309,7 @@ def _check_ranges(cfg: RunConfig) -> None:
     _check_model(cfg.model)
 
 
-# Keys of the seed's YAML whose other values the run does not implement: (dotted key, the one
+# Keys of the smoke YAML whose other values the run does not implement: (dotted key, the one
 # value the run honours, what the run does instead). Any other value is a ConfigError naming the
 # key, so a config never asks for behaviour that silently does not happen.
 _HONOURED_ONLY: tuple[tuple[str, object, str], ...] = (
@@ -461,11 +461,11 @@ SECTION_NAMES = tuple(f.name for f in fields(RunConfig))
 
 
 def smoke_config() -> RunConfig:
-    """The smoke experiment's defaults: the seed's YAML, scaled to 2 CPU cores.
+    """The smoke experiment's defaults: the smoke YAML, scaled to 2 CPU cores.
 
-    Sizes are those of seed 000 §7 (48 train / 16 held-out tasks, 8 turns, G=8) except the
-    training budget (``training``, ``sft``), which the seed leaves open, and these declared
-    departures:
+    Sizes are those of configs/smoke_seed.yaml (48 train / 16 held-out tasks, 8 turns, G=8)
+    except the training budget (``training``, ``sft``), which that YAML leaves open, and these
+    declared departures:
 
     - sampling at temperature 0.7: the behaviour log-probs recorded, the trainer, the reference
       and the auditor all use the tempered distribution (at 1.0 the warm-started 135M model

@@ -344,7 +344,7 @@ class ContextBudgetExceeded(ClosedloopError):
     """Some contexts cannot take another action within the window; carries ``keys``.
 
     The collector ends those episodes with ``max_token_truncation`` (censored) rather than let
-    the model see a silently cut context (design.md §7 failure 13).
+    the model see a silently cut context (docs/concepts.md, termination taxonomy).
     """
 
     def __init__(self, keys: Sequence[str]) -> None:

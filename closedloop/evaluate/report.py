@@ -1,4 +1,4 @@
-"""The core report (seed 000 §7): ``report.json`` and a self-contained ``report.html``.
+"""The core report (docs/gates.md): ``report.json`` and a self-contained ``report.html``.
 
 ``build_report(run_dir)`` recomputes everything from the run directory (traces first, then the
 ledger, metrics and the gates); ``write_report`` writes the JSON and an HTML page whose PNG plots

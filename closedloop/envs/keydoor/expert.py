@@ -3,7 +3,7 @@
 ``KeyDoorExpert`` knows nothing hidden: it inspects, reads the colour from the clue (the only
 colour word an ``inspect`` observation holds), keeps the key it holds if it matches or picks up
 the other one, opens that door and finishes. It carries the clue across turns itself (the
-recurrent memory seed 002 asks of the policy). ``noise_rate`` is the probability, before each of
+recurrent memory the task asks of the policy). ``noise_rate`` is the probability, before each of
 its planned actions, of first making one recoverable mistake: a malformed call, or picking up
 the wrong key (then the right one). Mistakes cost time, so on ``tight`` tasks they fail.
 """

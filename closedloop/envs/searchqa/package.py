@@ -114,4 +114,4 @@ def searchqa_package() -> EnvPackage:
                   "noisy": lambda task_id, seed, rate: SearchQAExpert(CATALOG.task(task_id),
                                                                       seed, rate)},
         fixtures=fixtures,
-        description="SearchQA (seed 004): search a shipped corpus with BM25, answer strictly.")
+        description="SearchQA: search a shipped corpus with BM25, answer strictly.")

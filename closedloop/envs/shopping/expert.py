@@ -2,8 +2,8 @@
 
 ``ShoppingExpert`` reads the request from the first observation, searches for the product noun,
 keeps the listed items whose price and rating fit, opens them one by one, goes back from any
-item that lacks the colour or the size or whose surcharge breaks the limit (the recovery seed 001
-describes), and on a fitting item selects colour and size and buys. It knows nothing hidden.
+item that lacks the colour or the size or whose surcharge breaks the limit (a recovery from a
+mistake), and on a fitting item selects colour and size and buys. It knows nothing hidden.
 ``noise_rate`` is the probability, before each of its actions, of one recoverable mistake:
 opening an item that fails the listing filter (then going back), or a malformed call.
 """

@@ -140,5 +140,5 @@ def shopping_package() -> EnvPackage:
         scripted={"expert": lambda task_id, seed, rate: ShoppingExpert(seed),
                   "noisy": lambda task_id, seed, rate: ShoppingExpert(seed, rate)},
         fixtures=fixtures,
-        description="Shopping simulator (seed 001): search, open, select, back, buy; a "
+        description="Shopping simulator: search, open, select, back, buy; a "
                     "constraint-checked purchase as the hidden outcome.")

@@ -39,7 +39,7 @@ class Gate:
 
 @dataclass(frozen=True)
 class GateReport:
-    """The gates of one run, in the seed's order.
+    """The gates of one run, in the go/no-go list's order (docs/gates.md).
 
     ``not_evaluated`` names the gates of the full list that were left out (``only=``): a
     partial report never counts as all passed.

@@ -7,7 +7,8 @@ of a fresh synchronous batch. Each RL step logs, over the batch's action tokens,
 ``ratio/abs_log_ratio_p99`` = the exact 0.99 quantile of the same values
 (``closedloop.learn.objectives``). The gate fails when
 
-- the trainer scored at another temperature than the sampler drew at (design.md §7, failure 22);
+- the trainer scored at another temperature than the sampler drew at (docs/concepts.md,
+  tempered scoring);
 - float32 (or any run not audited against the bf16 same-engine baseline): a step's max exceeds
   τ = ``consistency.max_abs_log_ratio``;
 - bfloat16 run audited against the bf16 same-engine baseline: a step's p99 exceeds

@@ -113,14 +113,25 @@ class WeightSyncSection:
 
 @dataclass(frozen=True)
 class CreditSection:
-    """Credit estimator and loss reduction."""
+    """Credit estimator and loss reduction (docs/credit.md).
 
-    estimator: Literal["rloo", "grpo", "dr_grpo"] = "rloo"
+    ``estimator``: the trajectory-level group estimators ``rloo``, ``grpo``, ``dr_grpo``, or
+    ``branching`` (each group's siblings get RLOO; at a declared branch point of up to
+    ``branch_episodes_per_group`` of them, ``branch_k`` continuations are forked from the
+    recorded decision state and each gets A = G - mean of the others on its own tokens; needs
+    ``environment.branching``). ``gae`` (turn-level GAE with a critic) is refused: the run
+    trains no critic over the LLM's hidden states (the recurrent actor–critic uses GAE).
+    """
+
+    estimator: Literal["rloo", "grpo", "dr_grpo", "gae", "branching"] = "rloo"
     reduction: Literal["episode_sum", "length_normalized", "token_mean",
                        "turn_mass_conserving"] = "episode_sum"
     group_reward_scale: Literal["none", "std"] = "none"
     censor_rule: Literal["discard_group", "drop_censored"] = "discard_group"
     reward_control: Literal["none", "shuffle_within_group"] = "none"
+    branch_k: int = 4
+    branch_rule: Literal["after_tool_observation", "max_surprisal"] = "after_tool_observation"
+    branch_episodes_per_group: int = 2
 
 
 @dataclass(frozen=True)
@@ -287,6 +298,7 @@ def _check_ranges(cfg: RunConfig) -> None:
         if not 0 <= getattr(cfg.evaluation, key.split(".")[1]) <= 1:
             raise ConfigError(key, "must be in [0, 1]")
     _check_environment(cfg.environment)
+    _check_credit(cfg)
     if cfg.environment.family_disjoint_tasks < 0:
         raise ConfigError("environment.family_disjoint_tasks", "must be >= 0")
     if not cfg.evaluation.template_disjoint:
@@ -323,8 +335,6 @@ _HONOURED_ONLY: tuple[tuple[str, object, str], ...] = (
      "(task, seed); carrying state across episodes is not implemented"),
     ("environment.base_snapshot_per_task", True, "every episode records its task's base "
      "snapshot id at reset and the collector checks it against the group lease"),
-    ("environment.branching", False, "turn-level forks are not implemented (restore fidelity "
-     "is gated first: restore_replay, fork_isolation_and_seal)"),
     ("consistency.audit_frozen_checkpoint", True, "the run always audits the frozen start "
      "checkpoint (audit.json); the train_inference_mismatch gate needs it"),
     ("weight_sync.require_all_worker_checksums", True, "a version is published only after the "
@@ -357,6 +367,40 @@ def _check_honoured(cfg: RunConfig) -> None:
         raise ConfigError("update.reference_policy", "'initial' (the pre-SFT weights) is not "
                           "kept as a reference when sft.enabled: π_ref is the warm-started base "
                           "('initial_sft'); without SFT the two are the same weights")
+
+
+_BRANCH_KEYS = ("branch_k", "branch_rule", "branch_episodes_per_group")
+
+
+def _check_credit(cfg: RunConfig) -> None:
+    """The credit estimator's own keys are honoured or refused (docs/credit.md)."""
+    c = cfg.credit
+    if c.estimator == "gae":
+        raise ConfigError("credit.estimator", "'gae' needs a turn-level critic over the LLM's "
+                          "hidden states, which the run does not train; use 'branching' for "
+                          "turn-level credit (GAE drives the recurrent actor-critic, "
+                          "python -m closedloop.experiments.recurrent_ac)")
+    branching = c.estimator == "branching"
+    if branching:
+        raise ConfigError("credit.estimator", "'branching' is not wired into the run yet")
+    if branching != cfg.environment.branching:
+        raise ConfigError("environment.branching", "turn-level forks run exactly when "
+                          "credit.estimator is 'branching' (then true, else false)")
+    default = CreditSection()
+    for name in _BRANCH_KEYS:
+        if not branching and getattr(c, name) != getattr(default, name):
+            raise ConfigError(f"credit.{name}", "only read by credit.estimator 'branching'")
+    if branching:
+        if c.branch_k < 2:
+            raise ConfigError("credit.branch_k", "branching compares continuations: >= 2")
+        if c.branch_episodes_per_group < 1:
+            raise ConfigError("credit.branch_episodes_per_group", "must be >= 1")
+        if c.reward_control != "none":
+            raise ConfigError("credit.reward_control", "the shuffled-reward null of branching "
+                              "credit is not implemented")
+        if c.group_reward_scale != "none":
+            raise ConfigError("credit.group_reward_scale", "branching credit is RLOO over "
+                              "siblings and over continuations: no std scale")
 
 
 def _check_environment(env: EnvironmentSection) -> None:

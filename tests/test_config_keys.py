@@ -88,3 +88,19 @@ def test_ppo_clip_may_reuse_a_batch() -> None:
     cfg = parse_config(seed_with("update.objective", "ppo_clip",
                                  update__optimizer_steps_per_fresh_batch=3))
     assert cfg.update.optimizer_steps_per_fresh_batch == 3
+
+
+def test_credit_estimators_are_honoured_or_refused_by_name() -> None:
+    for name in ("rloo", "grpo", "dr_grpo"):
+        assert parse_config(seed_with("credit.estimator", name)).credit.estimator == name
+    with pytest.raises(ConfigError) as err:  # no critic over the LLM's hidden states
+        parse_config(seed_with("credit.estimator", "gae"))
+    assert "credit.estimator" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        parse_config(seed_with("credit.estimator", "td_lambda"))
+    assert "credit.estimator" in str(err.value)
+    for key, value in (("credit.branch_k", 8), ("credit.branch_rule", "max_surprisal"),
+                       ("credit.branch_episodes_per_group", 1)):
+        with pytest.raises(ConfigError) as err:  # read only by the branching estimator
+            parse_config(seed_with(key, value))
+        assert key in str(err.value)

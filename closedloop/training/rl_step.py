@@ -1,6 +1,7 @@
 """One synchronous RL step of a training run: draw the step's groups, collect (or reload)
-them, admit them through the ledger, compute group-relative credit (with the shuffled-reward
-null control), apply one update, checkpoint, mark the groups consumed and publish."""
+them, admit them through the ledger, compute credit with the configured estimator
+(``closedloop.training.credit_step``; the shuffled-reward null control included), apply one
+update, checkpoint, mark the groups consumed and publish."""
 
 from __future__ import annotations
 
@@ -14,14 +15,14 @@ import torch
 
 from closedloop.contracts import Episode, PolicyManifest, content_hash, load_episodes
 from closedloop.errors import RunNotReadyError
-from closedloop.learn.credit import group_advantages, summarize_credit
+from closedloop.learn.credit import summarize_credit
 from closedloop.policy.registry import version_index, version_name
 from closedloop.progress import log
 from closedloop.rollout.admission import apply_decision
 from closedloop.rollout.collector import CollectedGroup
 from closedloop.rollout.ledger import GroupSummary
 from closedloop.rollout.tensors import build_training_batch
-from closedloop.training.resume import RunCheckpoints
+from closedloop.training.credit_step import RunCredit
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class StepReport:
     seconds: dict[str, float]
 
 
-class RunRLStep(RunCheckpoints):
+class RunRLStep(RunCredit):
     """The RL step (a ``TrainingRun`` part)."""
 
     def step_groups(self, step: int) -> list[tuple[str, str, int, int]]:
@@ -83,16 +84,18 @@ class RunRLStep(RunCheckpoints):
         admitted = self._admit(groups, train_version_index=version_index(behavior))
         times["admit_s"] = time.perf_counter() - t1
         t2 = time.perf_counter()
-        credits, batch_eps, adv, success = self._credit(admitted)
-        summary = summarize_credit(credits)
+        credit = self.step_credit(step, manifest, admitted)  # dispatched by credit.estimator
+        times.update(credit.seconds)
+        summary = summarize_credit(credit.credits)
         metrics: dict[str, Any] = {}
         output: str | None = None
-        if batch_eps:
+        if credit.episodes:
             self.ledger.require_admitted([g.lease.group_id for g in admitted])
-            batch = build_training_batch(batch_eps, pad_id=self.pad_id)
-            result = self.trainer.step(batch, torch.tensor(adv), torch.tensor(success))
+            batch = build_training_batch(credit.episodes, pad_id=self.pad_id)
+            result = self.trainer.step(batch, torch.tensor(credit.advantages),
+                                       torch.tensor(credit.success))
             metrics = dict(result.metrics)
-        times["update_s"] = time.perf_counter() - t2
+        times["update_s"] = time.perf_counter() - t2 - sum(credit.seconds.values())
         t3 = time.perf_counter()
         self._update_sampler(groups)
         output = version_name(step + 1)
@@ -111,6 +114,7 @@ class RunRLStep(RunCheckpoints):
             mean_success=sum(scores) / len(scores) if scores else None,
             metrics=metrics, seconds=times)
         self.log_metrics("rl_step", {**report.__dict__, "credit": {
+            **credit.record, "estimator": credit.estimator,
             "n_groups": summary.n_groups, "n_scored_groups": summary.n_scored_groups,
             "zero_variance_rate": summary.zero_variance_rate,
             "discard_reasons": dict(summary.discard_reasons)}})
@@ -149,44 +153,3 @@ class RunRLStep(RunCheckpoints):
             if state == "admitted":
                 admitted.append(g)
         return admitted
-
-    def _credit(self, groups: Sequence[CollectedGroup]) -> tuple[list[Any], list[Episode],
-                                                                   list[float], list[bool]]:
-        credits, episodes, adv, success = [], [], [], []
-        for g in groups:
-            trajs = [ep.trajectory for ep in g.episodes]
-            rewards = self._control_rewards(g.lease.group_id, [t.task_success for t in trajs])
-            censored = [t.termination.is_censored or t.quarantine_reason is not None
-                        or t.task_success is None for t in trajs]
-            credit = group_advantages(rewards, self.cfg.credit.estimator, censored,
-                                      self.cfg.credit.censor_rule)
-            credits.append(credit)
-            if credit.advantages is None:
-                continue
-            a = credit.advantages
-            if self.cfg.credit.group_reward_scale == "std":
-                from closedloop.learn.reducers import apply_group_reward_scale
-
-                scored = torch.tensor([rewards[i] for i in credit.member_indices])
-                a = apply_group_reward_scale(a, scored, "std")
-            for pos, i in enumerate(credit.member_indices):
-                episodes.append(g.episodes[i])
-                adv.append(float(a[pos]))
-                success.append(bool((rewards[i] or 0) >= 1.0))
-        return credits, episodes, adv, success
-
-    def _control_rewards(self, group_id: str, rewards: list[float | None]) -> list[float | None]:
-        """The shuffled-reward null control: permute scored rewards within the group.
-
-        The permutation is seeded by the group id, so a resumed run permutes identically. With
-        ``reward_control: none`` the rewards are returned unchanged.
-        """
-        if self.cfg.credit.reward_control == "none":
-            return rewards
-        scored = [i for i, r in enumerate(rewards) if r is not None]
-        values = [rewards[i] for i in scored]
-        random.Random(f"shuffle/{group_id}").shuffle(values)
-        out = list(rewards)
-        for i, v in zip(scored, values, strict=True):
-            out[i] = v
-        return out

@@ -1,0 +1,104 @@
+"""The credit step of a training run: the estimator the config names, dispatched by name
+(docs/credit.md), and what it records.
+
+- ``rloo``, ``grpo``, ``dr_grpo``: one advantage per admitted episode from its group's rewards
+  (the shuffled-reward null permutes them first), under the declared censoring rule;
+- ``branching``: RLOO over each group's siblings, plus the advantages of the continuations
+  forked at the siblings' branch points (:mod:`closedloop.training.branch_step`).
+
+Every RL step's metrics record says which estimator produced its update (``credit.estimator``),
+and, for branching, what the branches cost (``credit.branch``).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from closedloop.contracts import Episode, PolicyManifest
+from closedloop.learn.credit import ESTIMATORS, GroupCredit, group_advantages
+from closedloop.learn.reducers import apply_group_reward_scale
+from closedloop.rollout.collector import CollectedGroup
+from closedloop.training.resume import RunCheckpoints
+
+
+@dataclass
+class StepCredit:
+    """The credit of one RL step: the episodes of its batch with their advantages and success
+    labels (in batch order), the groups' credit (zero-variance and discard counts), and the
+    record the step's metrics keep under ``credit`` (``estimator`` and the estimator's own)."""
+
+    estimator: str
+    credits: list[GroupCredit] = field(default_factory=list)
+    episodes: list[Episode] = field(default_factory=list)
+    advantages: list[float] = field(default_factory=list)
+    success: list[bool] = field(default_factory=list)
+    record: dict[str, Any] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def add(self, episode: Episode, advantage: float, reward: float | None) -> None:
+        """Append one episode of the batch."""
+        self.episodes.append(episode)
+        self.advantages.append(advantage)
+        self.success.append(bool((reward or 0) >= 1.0))
+
+
+class RunCredit(RunCheckpoints):
+    """The run's credit estimators (a ``TrainingRun`` part)."""
+
+    def step_credit(self, step: int, manifest: PolicyManifest,
+                    groups: Sequence[CollectedGroup]) -> StepCredit:
+        """The credit of step ``step`` over its admitted ``groups`` (module docstring)."""
+        name = self.cfg.credit.estimator
+        if name in ESTIMATORS:
+            out = StepCredit(name)
+            self.group_credit(groups, name, out)
+            return out
+        if name == "branching":
+            return self.branching_credit(step, manifest, groups)
+        raise NotImplementedError(f"credit.estimator {name!r} is refused at config load")
+
+    def branching_credit(self, step: int, manifest: PolicyManifest,
+                         groups: Sequence[CollectedGroup]) -> StepCredit:
+        """Branching credit (``closedloop.training.branch_step`` provides it)."""
+        raise NotImplementedError("branching credit is not wired into this run")
+
+    def group_credit(self, groups: Sequence[CollectedGroup], estimator: str,
+                     out: StepCredit) -> None:
+        """Trajectory-level advantages of every group's members into ``out``."""
+        for g in groups:
+            trajs = [ep.trajectory for ep in g.episodes]
+            rewards = self._control_rewards(g.lease.group_id, [t.task_success for t in trajs])
+            censored = [t.termination.is_censored or t.quarantine_reason is not None
+                        or t.task_success is None for t in trajs]
+            credit = group_advantages(rewards, estimator, censored,
+                                      self.cfg.credit.censor_rule)
+            out.credits.append(credit)
+            if credit.advantages is None:
+                continue
+            a = credit.advantages
+            if self.cfg.credit.group_reward_scale == "std":
+                scored = torch.tensor([rewards[i] for i in credit.member_indices])
+                a = apply_group_reward_scale(a, scored, "std")
+            for pos, i in enumerate(credit.member_indices):
+                out.add(g.episodes[i], float(a[pos]), rewards[i])
+
+    def _control_rewards(self, group_id: str, rewards: list[float | None]) -> list[float | None]:
+        """The shuffled-reward null control: permute scored rewards within the group.
+
+        The permutation is seeded by the group id, so a resumed run permutes identically. With
+        ``reward_control: none`` the rewards are returned unchanged.
+        """
+        if self.cfg.credit.reward_control == "none":
+            return rewards
+        scored = [i for i, r in enumerate(rewards) if r is not None]
+        values = [rewards[i] for i in scored]
+        random.Random(f"shuffle/{group_id}").shuffle(values)
+        out = list(rewards)
+        for i, v in zip(scored, values, strict=True):
+            out[i] = v
+        return out

@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from closedloop.contracts import SamplerConfig, content_hash, sha256_hex
+from closedloop.contracts import SamplerConfig, content_hash, parse_action, sha256_hex
 from closedloop.contracts.package import EnvPackage, FeatureCodec
-from closedloop.errors import LearnError
+from closedloop.errors import ActionParseError, LearnError
 from closedloop.rollout.source import ActionSample
 
 __all__ = ["FeatureRenderer", "FeatureSource", "RecurrentActorCritic", "action_mask",
@@ -86,6 +86,17 @@ class FeatureRenderer:
     def turn_closed(self, action_ids: Sequence[int]) -> bool:
         """Always True: an action is one id."""
         return True
+
+    def encode(self, action_text: str) -> list[int]:
+        """The one id of an action text (its index in the codec's actions), so scripted
+        policies play in this scaffold too; ``LearnError`` for text naming no codec action."""
+        try:
+            action = parse_action(action_text)
+        except ActionParseError as exc:
+            raise LearnError(f"not a codec action: {exc.reason}") from None
+        if action.name not in self.codec.actions or action.args:
+            raise LearnError(f"{action.name!r} is not one of {list(self.codec.actions)}")
+        return [self.codec.actions.index(action.name)]
 
     def action_text(self, action_ids: Sequence[int]) -> str:
         """The model text of the action an id names."""
@@ -194,9 +205,23 @@ class FeatureSource:
 
     def open(self, key: str, task_id: str, prompt_ids: list[int], observation: str,
              stream: int | None = None) -> None:
-        """Start an episode from its opening features."""
+        """Start an episode from its context ids: the opening features, or a whole recorded
+        prefix o_0, a_0, …, o_t (a branch), whose actions the GRU re-reads to rebuild its
+        memory exactly as the parent had it before acting at t."""
+        f = self.codec.n_features
+        if (len(prompt_ids) - f) % (f + 1):
+            raise LearnError(f"context of {len(prompt_ids)} ids is not o_0, a_0, …, o_t")
         session = _Session(self.model.initial(1)[0], [], (), -1, random.Random(stream))
-        self._observe(session, prompt_ids)
+        for start in range(0, len(prompt_ids) - f, f + 1):
+            self._observe(session, prompt_ids[start:start + f])
+            action = int(prompt_ids[start + f])
+            with torch.no_grad():
+                _, _, h = self.model.step(
+                    torch.tensor([session.features], dtype=torch.float32),
+                    torch.tensor([session.prev]), session.h[None],
+                    torch.tensor([session.mask]))
+            session.h, session.prev = h[0], action
+        self._observe(session, prompt_ids[len(prompt_ids) - f:])
         self._sessions[key] = session
 
     def extend(self, key: str, observation: str, observation_ids: list[int]) -> None:

@@ -381,8 +381,6 @@ def _check_credit(cfg: RunConfig) -> None:
                           "turn-level credit (GAE drives the recurrent actor-critic, "
                           "python -m closedloop.experiments.recurrent_ac)")
     branching = c.estimator == "branching"
-    if branching:
-        raise ConfigError("credit.estimator", "'branching' is not wired into the run yet")
     if branching != cfg.environment.branching:
         raise ConfigError("environment.branching", "turn-level forks run exactly when "
                           "credit.estimator is 'branching' (then true, else false)")

@@ -107,6 +107,17 @@ class CollectedGroup:
     episodes: tuple[Episode, ...]
 
 
+@dataclass(frozen=True)
+class BranchOrigin:
+    """Where a branch episode comes from: its parent's run and episode, the branch point turn
+    and the branch point's manifest (``closedloop.rollout.prefix.AgentPrefix.manifest``)."""
+
+    parent_run_id: str
+    parent_episode_id: str
+    turn: int
+    manifest: dict[str, Any]
+
+
 @dataclass
 class _Live:
     key: str
@@ -121,6 +132,7 @@ class _Live:
     turns: list[TurnRecord] = field(default_factory=list)
     termination: Termination | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    branch: BranchOrigin | None = None
 
 
 def _safe_hash(env: AgentEnv) -> str:
@@ -184,6 +196,14 @@ class Collector:
                     live.append(ep)
                 else:
                     finished[ep.key] = self._finish(ep)
+        self._drive(live, finished, started, progress)
+        return [CollectedGroup(lease, tuple(finished[f"{lease.group_id}/{i}"]
+                                            for i in range(lease.group_size)))
+                for lease in leases]
+
+    def _drive(self, live: list[_Live], finished: dict[str, Episode], started: float,
+               progress: Callable[[int], None] | None) -> None:
+        """Step every live episode together until all have ended (into ``finished``)."""
         while live:
             if self._past_deadline(started):
                 for ep in live:
@@ -199,9 +219,6 @@ class Collector:
                     if progress is not None:
                         progress(1)
             live = still
-        return [CollectedGroup(lease, tuple(finished[f"{lease.group_id}/{i}"]
-                                            for i in range(lease.group_size)))
-                for lease in leases]
 
     def _check_leases(self, leases: Sequence[GroupLease]) -> None:
         manifest_hash = self.manifest.manifest_hash()
@@ -359,10 +376,18 @@ class Collector:
             termination=termination, reward=reward, verifier_version=verifier_version,
             final_state_hash=final_hash or "none", quarantine_reason=quarantine,
             mixed_policy=False, rollout_started_at=ep.started_at, rollout_finished_at=_now(),
-            timings=dict(ep.timings))
+            timings=dict(ep.timings), **_branch_fields(ep.branch))
         if self.writer is not None:
             self.writer.write(traj)
         return Episode(traj, tuple(ep.turns))
+
+
+def _branch_fields(origin: BranchOrigin | None) -> dict[str, Any]:
+    """The trajectory fields a branch records (none for an ordinary episode)."""
+    if origin is None:
+        return {}
+    return {"parent_run_id": origin.parent_run_id, "parent_episode_id": origin.parent_episode_id,
+            "branch_point_turn": origin.turn, "branch_point": dict(origin.manifest)}
 
 
 def _parse(text: str) -> tuple[ActionKindOrInvalid, str | None, dict[str, Any] | None,

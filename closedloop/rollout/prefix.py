@@ -55,7 +55,9 @@ def executed_turns(episode: Episode) -> int:
 class AgentPrefix:
     """B_t: what a continuation from turn ``turn`` of a recorded episode starts from.
 
-    ``snapshot``: S_t (taken after verified replay); ``context_ids``: context(t), the exact ids
+    ``base_snapshot_id``: the parent's base (reset) snapshot, where a branch's record starts
+    too (through the copied prefix); ``snapshot``: S_t (taken after verified replay);
+    ``context_ids``: context(t), the exact ids
     the sampler saw before action t (turn t's prompt included); ``prefix_turns``: the parent's
     turn records 0..t-1; ``memory_state_ref``, ``behavior_policy_version``,
     ``policy_manifest_hash`` and ``sampler`` are the parent's at turn t.
@@ -66,6 +68,7 @@ class AgentPrefix:
     parent_group_id: str
     task_id: str
     seed: int
+    base_snapshot_id: str
     turn: int
     snapshot: SnapshotRef
     context_ids: tuple[int, ...]
@@ -140,7 +143,8 @@ def restore_prefix(episode: Episode, turn: int, env: AgentEnv) -> AgentPrefix:
     at = episode.turns[turn]
     return AgentPrefix(
         parent_run_id=traj.run_id, parent_episode_id=traj.episode_id,
-        parent_group_id=traj.group_id, task_id=traj.task_id, seed=traj.seed, turn=turn,
+        parent_group_id=traj.group_id, task_id=traj.task_id, seed=traj.seed,
+        base_snapshot_id=traj.base_snapshot_id, turn=turn,
         snapshot=snapshot, context_ids=tuple(episode.context_token_ids(turn)),
         memory_state_ref=at.memory_state_ref,
         behavior_policy_version=traj.behavior_policy_version,

@@ -13,6 +13,7 @@ and, for branching, what the branches cost (``credit.branch``).
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,9 +21,11 @@ from typing import Any
 import torch
 
 from closedloop.contracts import Episode, PolicyManifest
+from closedloop.learn.branching import branch_compute, branch_credit
 from closedloop.learn.credit import ESTIMATORS, GroupCredit, group_advantages
 from closedloop.learn.reducers import apply_group_reward_scale
 from closedloop.rollout.collector import CollectedGroup
+from closedloop.training.branch_step import step_branches
 from closedloop.training.resume import RunCheckpoints
 
 
@@ -64,8 +67,31 @@ class RunCredit(RunCheckpoints):
 
     def branching_credit(self, step: int, manifest: PolicyManifest,
                          groups: Sequence[CollectedGroup]) -> StepCredit:
-        """Branching credit (``closedloop.training.branch_step`` provides it)."""
-        raise NotImplementedError("branching credit is not wired into this run")
+        """RLOO over each group's siblings, plus each branch set's A_{t,k} = G_{t,k} - mean of
+        the others on the branches' own tokens (the copied prefix has action mask 0). Records
+        the branches' compute (sets, continuations, own turns and action tokens, seconds)."""
+        out = StepCredit("branching")
+        self.group_credit(groups, "rloo", out)
+        t0 = time.perf_counter()
+        branches, replay_s = step_branches(self, step, manifest, groups)
+        out.seconds["branch_s"] = time.perf_counter() - t0
+        scored = zero = 0
+        for bg in branches:
+            credit = branch_credit(bg.episodes)
+            if credit.advantages is None:
+                continue
+            scored += 1
+            zero += credit.zero_variance
+            for pos, i in enumerate(credit.member_indices):
+                ep = bg.episodes[i]
+                out.add(ep, float(credit.advantages[pos]), ep.trajectory.task_success)
+        cost = branch_compute([bg.episodes for bg in branches])
+        out.record = {"parent_estimator": "rloo", "branch": {
+            **cost.to_dict(), "k": self.cfg.credit.branch_k, "rule": self.cfg.credit.branch_rule,
+            "scored_sets": scored, "zero_variance_sets": zero,
+            "discarded_sets": len(branches) - scored, "replay_s": replay_s,
+            "seconds": out.seconds["branch_s"]}}
+        return out
 
     def group_credit(self, groups: Sequence[CollectedGroup], estimator: str,
                      out: StepCredit) -> None:

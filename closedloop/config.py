@@ -4,7 +4,7 @@ written, with ``model:`` pointing at the embedded model or a local folder.
 Every section is a frozen dataclass; loading is strict: an unknown or misspelled key, a wrong
 type, a value outside its allowed set, or a value the run does not implement (the smoke YAML's
 keys that state what the run does, ``_HONOURED_ONLY``) raises ``ConfigError`` naming the dotted key.
-The README's config reference lists every key, its default and what it does. The sections
+docs/config.md lists every key, its default and what it does. The sections
 after ``evaluation`` are closedloop's own (training budget, SFT warm start, run directory) and
 all have defaults, so the smoke YAML needs none of them.
 """

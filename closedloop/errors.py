@@ -487,6 +487,12 @@ class RetainSuiteMismatchError(StatsInputError):
     """The two evaluations to compare do not cover the same retain suites."""
 
 
+class CausalAuditError(ContractError, ValueError):
+    """A causal audit was handed an episode it cannot intervene on (not scored, not terminal) or
+    credits that do not cover an episode's executed turns, or an intervention without its
+    replacement."""
+
+
 class RunDirError(ClosedloopError):
     """The path is not a readable run (or experiment) directory."""
 

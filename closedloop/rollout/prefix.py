@@ -31,7 +31,8 @@ from closedloop.contracts import (
 )
 from closedloop.errors import BranchError, PrefixRestoreError
 
-__all__ = ["AgentPrefix", "boundary_states", "executed_turns", "restore_prefix", "was_executed"]
+__all__ = ["AgentPrefix", "boundary_states", "executed_turns", "restore_prefix", "restore_state",
+           "was_executed"]
 
 
 def was_executed(turn: TurnRecord) -> bool:
@@ -123,6 +124,17 @@ def boundary_states(episode: Episode, env: AgentEnv) -> list[bytes]:
     """The exported state at h_0 … h_K, K = :func:`executed_turns`, by verified replay in
     ``env`` (which is reset)."""
     return _replay(episode, env, executed_turns(episode))
+
+
+def restore_state(episode: Episode, turn: int, env: AgentEnv) -> SnapshotRef:
+    """S_t of ``episode`` for any 0 <= t <= its executed turns: verified replay of turns
+    0..t-1 in ``env`` (reset first), then a snapshot there (``env`` is left at S_t)."""
+    n = executed_turns(episode)
+    if not 0 <= turn <= n:
+        raise BranchError(f"episode {episode.trajectory.episode_id}: turn {turn} is not in "
+                          f"0..{n}")
+    _replay(episode, env, turn)
+    return env.snapshot(f"state-{turn}")
 
 
 def restore_prefix(episode: Episode, turn: int, env: AgentEnv) -> AgentPrefix:

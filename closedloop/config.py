@@ -379,7 +379,7 @@ def _check_credit(cfg: RunConfig) -> None:
         raise ConfigError("credit.estimator", "'gae' needs a turn-level critic over the LLM's "
                           "hidden states, which the run does not train; use 'branching' for "
                           "turn-level credit (GAE drives the recurrent actor-critic, "
-                          "python -m closedloop.experiments.recurrent_ac)")
+                          "python -m closedloop.experiments.recurrent_ac_report)")
     branching = c.estimator == "branching"
     if branching != cfg.environment.branching:
         raise ConfigError("environment.branching", "turn-level forks run exactly when "

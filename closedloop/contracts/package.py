@@ -32,7 +32,8 @@ from an environment; nothing outside the package knows its tasks, tools or verif
   actor-critic of docs/credit.md); ``potential(task_id, state_bytes) -> float``: the
   environment's shaping potential Φ over its exported (true) state, hidden task data allowed,
   for potential-based shaping (the terminal convention Φ = 0 is the shaping module's, not the
-  package's).
+  package's); ``task_strata(task_id) -> {name: label}``: labels an evaluation groups a task's
+  results by (key-and-door's exit colour), hidden task data allowed (never shown to a policy).
 
 The simple route: write a ``Rules`` (``opening(task_id, seed) -> Opening`` and
 ``apply(world, action) -> Outcome`` over a plain JSON world) and ``closedloop.envs.sim`` turns it
@@ -192,6 +193,7 @@ class EnvPackage:
     check_options: Callable[[Mapping[str, Any]], None] | None = None
     feature_codec: FeatureCodec | None = None
     potential: Potential | None = None
+    task_strata: Callable[[str], Mapping[str, str]] | None = None
 
     def __post_init__(self) -> None:
         where = f"environment package {self.env_id!r}"
@@ -203,7 +205,7 @@ class EnvPackage:
             if not callable(getattr(self, name)):
                 raise EnvPackageError(f"{where}: {name} must be callable")
         for name in ("action_sampler", "fork_probe", "fixtures", "retain_tasks",
-                     "check_options", "potential"):
+                     "check_options", "potential", "task_strata"):
             value = getattr(self, name)
             if value is not None and not callable(value):
                 raise EnvPackageError(f"{where}: {name} must be callable or None")

@@ -77,13 +77,14 @@ def turn_batch(episodes: Sequence[Episode], codec: FeatureCodec,
                step_rewards: Mapping[str, Sequence[float]] | None = None) -> TurnBatch:
     """The padded tensors of the module docstring; episodes without credit are dropped.
 
-    ``step_rewards[episode_id]`` adds per-turn rewards (one per executed turn), e.g. shaping.
+    ``step_rewards[episode_id]`` adds per-turn rewards (one per executed turn), e.g. shaping;
+    an episode it does not name gets none.
     """
     rows = []
     ids = []
     for ep in episodes:
         eid = ep.trajectory.episode_id
-        row = _rows(ep, codec, None if step_rewards is None else step_rewards[eid])
+        row = _rows(ep, codec, None if step_rewards is None else step_rewards.get(eid))
         if row is not None:
             rows.append(row)
             ids.append(eid)

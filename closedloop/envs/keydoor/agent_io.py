@@ -10,6 +10,7 @@
 5. ``door_open``: the status line says a door is open;
 6–11. ``avail_<action>``: the action is listed as available (the phase mask, never the target).
 
+``strata(task_id)`` labels a task's template and exit colour for grouping evaluation results.
 ``potential(task_id, state_bytes)`` is Φ over the true state (the world and the task's hidden
 target): Φ = 0.2·inspected + 0.3·[key held = target] + 0.5·[door open = target], in [0, 1].
 The shaping module sets Φ of a terminal state to 0 itself.
@@ -73,3 +74,10 @@ def potential(task_id: str, state_bytes: bytes) -> float:
         raise TaskError(f"task {task_id}: target {target!r} is not a colour")
     return (0.2 * bool(world["inspected"]) + 0.3 * (world["key"] == target)
             + 0.5 * (world["door"] == target))
+
+
+def strata(task_id: str) -> dict[str, str]:
+    """Evaluation strata of a task: its template and its exit colour (hidden data: for grouping
+    results, never shown to a policy)."""
+    task = CATALOG.task(task_id)
+    return {"template": task.template, "exit": str(task.hidden["target"])}

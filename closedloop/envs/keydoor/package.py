@@ -20,7 +20,7 @@ from typing import Any
 
 from closedloop.contracts import Action
 from closedloop.contracts.package import EnvPackage
-from closedloop.envs.keydoor.agent_io import KeyDoorCodec, potential
+from closedloop.envs.keydoor.agent_io import KeyDoorCodec, potential, strata
 from closedloop.envs.keydoor.expert import KeyDoorExpert
 from closedloop.envs.keydoor.rules import ACTIONS, KeyDoorRules
 from closedloop.envs.keydoor.tasks import CATALOG
@@ -143,5 +143,5 @@ def keydoor_package() -> EnvPackage:
         fork_probe=fork_probe,
         scripted={"expert": lambda task_id, seed, rate: KeyDoorExpert(seed),
                   "noisy": lambda task_id, seed, rate: KeyDoorExpert(seed, rate)},
-        fixtures=fixtures, feature_codec=KeyDoorCodec(), potential=potential,
+        fixtures=fixtures, feature_codec=KeyDoorCodec(), potential=potential, task_strata=strata,
         description="Key-and-door: a hidden exit colour, macro-actions, phase masks.")

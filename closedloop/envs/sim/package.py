@@ -12,8 +12,8 @@
   public world data (a clue the model has not yet been shown) nor the hidden data.
 
 Everything environment-specific (rules, verifier, scaffold, sampler, probe, scripted policies,
-fixtures, and optionally a feature codec and a shaping potential) is passed in;
-``closedloop.envs.sim.simple.rules_package`` derives most of it.
+fixtures, and optionally a feature codec, a shaping potential and evaluation strata) is passed
+in; ``closedloop.envs.sim.simple.rules_package`` derives most of it.
 """
 
 from __future__ import annotations
@@ -81,7 +81,8 @@ def sim_package(*, env_id: str, rules: Callable[[], Rules], catalog: TaskCatalog
                 scripted: Mapping[str, ScriptedFactory],
                 fixtures: Callable[[tuple[str, ...] | None], Sequence[Any]] | None,
                 description: str, feature_codec: FeatureCodec | None = None,
-                potential: Potential | None = None) -> EnvPackage:
+                potential: Potential | None = None,
+                task_strata: Callable[[str], Mapping[str, str]] | None = None) -> EnvPackage:
     """The ``EnvPackage`` of one simulated environment (see the module docstring)."""
     env_version = rules().env_version
     return EnvPackage(
@@ -91,4 +92,4 @@ def sim_package(*, env_id: str, rules: Callable[[], Rules], catalog: TaskCatalog
         make_verifier=make_verifier, tool_schemas=tool_schemas, system_prompt=system_prompt,
         action_sampler=action_sampler, fork_probe=fork_probe, scripted=scripted,
         fixtures=fixtures, description=description, feature_codec=feature_codec,
-        potential=potential)
+        potential=potential, task_strata=task_strata)

@@ -20,8 +20,15 @@ import yaml
 from closedloop.contracts import SamplerConfig, canonical_json, content_hash
 from closedloop.contracts.package import EnvPackage, TaskSetRequest
 from closedloop.contracts.schema import decode_record, encode_record
-from closedloop.errors import ConfigError, EnvPackageError, FieldError
-from closedloop.learn.objectives import OBJECTIVES
+from closedloop.errors import (
+    ConfigError,
+    EnvPackageError,
+    FieldError,
+    InvalidObjectiveError,
+    LearnError,
+    UnknownObjectiveError,
+)
+from closedloop.learn.objectives import ClipRange, get_objective
 
 
 @dataclass(frozen=True)
@@ -138,10 +145,11 @@ class CreditSection:
 class UpdateSection:
     """The objective and the three policies' roles."""
 
-    # closedloop.learn.objectives.OBJECTIVES; the clipped ones (ratio against π_beh) may take
-    # optimizer_steps_per_fresh_batch > 1 optimizer steps on each fresh batch.
-    objective: Literal["reinforce_with_kl", "ppo_clip", "normalized_ratio_clip[sequence]",
-                       "normalized_ratio_clip[turn]"] = "reinforce_with_kl"
+    # A registered objective (closedloop.learn.objectives: reinforce_with_kl, ppo_clip,
+    # normalized_ratio_clip[sequence], normalized_ratio_clip[turn], or one a user registered)
+    # or a dotted "pkg.module:attr" path to a factory; resolved at load. Those with a ratio
+    # against π_beh may take optimizer_steps_per_fresh_batch > 1 steps on each fresh batch.
+    objective: str = "reinforce_with_kl"
     behavior_policy: Literal["rollout_manifest"] = "rollout_manifest"
     proximal_policy: Literal["behavior_policy"] = "behavior_policy"
     reference_policy: Literal["initial_sft", "initial"] = "initial_sft"
@@ -275,16 +283,7 @@ def _check_ranges(cfg: RunConfig) -> None:
     if cfg.rollout.max_version_lag != 0:
         raise ConfigError("rollout.max_version_lag", "only the synchronous baseline (0) is "
                           "implemented; asynchrony is a later ablation")
-    if cfg.update.optimizer_steps_per_fresh_batch != 1 and not OBJECTIVES[cfg.update.objective]:
-        raise ConfigError("update.optimizer_steps_per_fresh_batch",
-                          f"{cfg.update.objective} has no ratio against π_beh: reusing a batch "
-                          "needs a clipped-ratio objective (ppo_clip, normalized_ratio_clip)")
-    if cfg.update.objective == "reinforce_with_kl" and (
-            cfg.rollout.top_k is not None or cfg.rollout.top_p < 1.0):
-        raise ConfigError("rollout.top_p" if cfg.rollout.top_p < 1.0 else "rollout.top_k",
-                          "reinforce_with_kl has no ratio: it needs the trainer to score the "
-                          "distribution that sampled, and the trainer does not reproduce top-k/"
-                          "top-p masks; sample untruncated or use an objective with ratios")
+    _check_objective(cfg)
     for key in ("consistency.max_abs_log_ratio", "consistency.max_abs_tolerance"):
         section, name = key.split(".")
         if not getattr(getattr(cfg, section), name) > 0:
@@ -352,6 +351,32 @@ def _dotted(cfg: RunConfig, key: str) -> object:
     for name in key.split("."):
         value = getattr(value, name)
     return value
+
+
+def _check_objective(cfg: RunConfig) -> None:
+    """Resolve ``update.objective`` (a registered name or a dotted path to a factory) with the
+    run's clip range and check it against the ``Objective`` protocol; what it may be asked
+    (several optimizer steps per batch, truncated sampling) follows from its ``uses_ratio``."""
+    u = cfg.update
+    try:
+        clip = ClipRange(u.clip_eps)
+    except LearnError as exc:
+        raise ConfigError("update.clip_eps", str(exc)) from None
+    try:
+        objective = get_objective(u.objective, clip)
+    except (UnknownObjectiveError, InvalidObjectiveError) as exc:
+        raise ConfigError("update.objective", str(exc)) from None
+    if objective.uses_ratio:
+        return
+    if u.optimizer_steps_per_fresh_batch != 1:
+        raise ConfigError("update.optimizer_steps_per_fresh_batch",
+                          f"{u.objective} has no ratio against π_beh: reusing a batch "
+                          "needs a clipped-ratio objective (ppo_clip, normalized_ratio_clip)")
+    if cfg.rollout.top_k is not None or cfg.rollout.top_p < 1.0:
+        raise ConfigError("rollout.top_p" if cfg.rollout.top_p < 1.0 else "rollout.top_k",
+                          f"{u.objective} has no ratio: it needs the trainer to score the "
+                          "distribution that sampled, and the trainer does not reproduce top-k/"
+                          "top-p masks; sample untruncated or use an objective with ratios")
 
 
 def _check_honoured(cfg: RunConfig) -> None:

@@ -453,7 +453,12 @@ class NonFiniteLogprobError(LearnError):
 
 
 class UnknownObjectiveError(LearnError):
-    """An objective name that is not registered."""
+    """An objective name that is not registered, or a dotted path that does not import."""
+
+
+class InvalidObjectiveError(LearnError):
+    """An objective factory that is not callable, raised, or made something that does not
+    satisfy the ``Objective`` protocol; or a registration under an unusable or taken name."""
 
 
 class BatchReuseError(LearnError):

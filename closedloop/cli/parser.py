@@ -81,20 +81,12 @@ def _add_run_commands(sub: _Subcommands) -> list[argparse.ArgumentParser]:
     ex.add_argument("config")
     ex.add_argument("--run-dir")
     ex.add_argument("--override-config", metavar="REASON", help=OVERRIDE_HELP)
-    ex.add_argument("--seeds", type=int, metavar="N",
-                    help="run N independent replicates (training.seed + 0..N-1), pooled")
-    ex.add_argument("--only", type=int, nargs="+", metavar="I",
-                    help="with --seeds: run only these replicate indices; pool the others "
-                         "found finished under the run dir")
+    _add_replicate_args(ex)
     ex.set_defaults(fn=cmd_experiment)
     sm = sub.add_parser("smoke", help="the smoke experiment on the embedded model")
     sm.add_argument("--run-dir")
     sm.add_argument("--model", help="a local Hugging Face model folder instead")
-    sm.add_argument("--seeds", type=int, metavar="N",
-                    help="run N independent replicates (training.seed + 0..N-1), pooled")
-    sm.add_argument("--only", type=int, nargs="+", metavar="I",
-                    help="with --seeds: run only these replicate indices; pool the others "
-                         "found finished under the run dir")
+    _add_replicate_args(sm)
     sm.add_argument("--override-config", metavar="REASON", help=OVERRIDE_HELP)
     sm.set_defaults(fn=cmd_smoke)
     rv = sub.add_parser("reevaluate", help="more evaluation attempts for finished policies "
@@ -113,6 +105,15 @@ def _add_run_commands(sub: _Subcommands) -> list[argparse.ArgumentParser]:
                          "of their final one: a point of the learning curve")
     rv.set_defaults(fn=cmd_reevaluate)
     return [tr, ex, sm, rv]
+
+
+def _add_replicate_args(parser: argparse.ArgumentParser) -> None:
+    """``--seeds N`` and ``--only I...``: an experiment's independent replicates."""
+    parser.add_argument("--seeds", type=int, metavar="N",
+                        help="run N independent replicates (training.seed + 0..N-1), pooled")
+    parser.add_argument("--only", type=int, nargs="+", metavar="I",
+                        help="with --seeds: run only these replicate indices; pool the others "
+                             "found finished under the run dir")
 
 
 def _add_run_dir_commands(sub: _Subcommands) -> list[argparse.ArgumentParser]:

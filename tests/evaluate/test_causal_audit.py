@@ -5,6 +5,8 @@ an episode's actions."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from closedloop.contracts import Action
@@ -68,7 +70,7 @@ def test_the_audit_separates_a_tracking_credit_from_its_shuffle() -> None:
     progress = {}
     for ep in episodes:  # the rise of Φ over the true state: a dense score that tracks effect
         phi = recorded_shaping(ep, pkg.make_env(), pkg.potential, 1.0).potentials
-        progress[ep.trajectory.episode_id] = [b - a for a, b in zip(phi, phi[1:])]
+        progress[ep.trajectory.episode_id] = [b - a for a, b in itertools.pairwise(phi)]
     arms = {"progress": progress, "outcome_only": outcome_only_credit(episodes),
             **{f"shuffled-{s}": shuffled_credit(progress, s) for s in range(4)}}
     result = causal_audit(episodes, arms, pkg.make_env, pkg.verifier(), n_boot=400, seed=1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from closedloop.contracts import Episode, SamplerConfig, TraceWriter, sha256_hex
+from closedloop.contracts import Action, Episode, SamplerConfig, TraceWriter, sha256_hex
 from closedloop.contracts.package import EnvPackage, TaskSetRequest
 from closedloop.envs.discovery import resolve_package
 from closedloop.learn.recurrent_ac import FeatureRenderer, FeatureSource, RecurrentActorCritic
@@ -61,8 +61,7 @@ class DetourExpert:
         self.target: str | None = None
         self.plan: list[str] | None = None
 
-    def act(self, observation: str):  # noqa: ANN201 - an Action
-        from closedloop.contracts import Action
+    def act(self, observation: str) -> Action:
 
         codec = keydoor().feature_codec
         assert codec is not None

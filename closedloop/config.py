@@ -128,6 +128,10 @@ class CreditSection:
     recorded decision state and each gets A = G - mean of the others on its own tokens; needs
     ``environment.branching``). ``gae`` (turn-level GAE with a critic) is refused: the run
     trains no critic over the LLM's hidden states (the recurrent actor–critic uses GAE).
+    ``experiment_arm``: ``closedloop experiment`` also trains an arm with this estimator
+    (``branching``) from the same cold start, budgets and evaluation, reported with its compute
+    beside the rloo arm's; ``none`` (the default, the smoke's) trains none. A single run
+    (``closedloop train``) refuses it.
     """
 
     estimator: Literal["rloo", "grpo", "dr_grpo", "gae", "branching"] = "rloo"
@@ -139,6 +143,7 @@ class CreditSection:
     branch_k: int = 4
     branch_rule: Literal["after_tool_observation", "max_surprisal"] = "after_tool_observation"
     branch_episodes_per_group: int = 2
+    experiment_arm: Literal["none", "branching"] = "none"
 
 
 @dataclass(frozen=True)
@@ -406,19 +411,24 @@ def _check_credit(cfg: RunConfig) -> None:
                           "turn-level credit (GAE drives the recurrent actor-critic, "
                           "python -m closedloop.experiments.recurrent_ac_report)")
     branching = c.estimator == "branching"
+    if branching and c.experiment_arm == "branching":
+        raise ConfigError("credit.experiment_arm", "the experiment's RL arm already trains with "
+                          "branching credit")
     if branching != cfg.environment.branching:
         raise ConfigError("environment.branching", "turn-level forks run exactly when "
                           "credit.estimator is 'branching' (then true, else false)")
     default = CreditSection()
+    reads_branch_keys = branching or c.experiment_arm == "branching"
     for name in _BRANCH_KEYS:
-        if not branching and getattr(c, name) != getattr(default, name):
-            raise ConfigError(f"credit.{name}", "only read by credit.estimator 'branching'")
-    if branching:
+        if not reads_branch_keys and getattr(c, name) != getattr(default, name):
+            raise ConfigError(f"credit.{name}", "only read by credit.estimator 'branching' or "
+                              "credit.experiment_arm 'branching'")
+    if reads_branch_keys:
         if c.branch_k < 2:
             raise ConfigError("credit.branch_k", "branching compares continuations: >= 2")
         if c.branch_episodes_per_group < 1:
             raise ConfigError("credit.branch_episodes_per_group", "must be >= 1")
-        if c.reward_control != "none":
+        if branching and c.reward_control != "none":
             raise ConfigError("credit.reward_control", "the shuffled-reward null of branching "
                               "credit is not implemented")
         if c.group_reward_scale != "none":

@@ -104,3 +104,30 @@ def test_credit_estimators_are_honoured_or_refused_by_name() -> None:
         with pytest.raises(ConfigError) as err:  # read only by the branching estimator
             parse_config(seed_with(key, value))
         assert key in str(err.value)
+
+
+def test_the_experiment_arm_reads_the_branching_keys_and_train_refuses_it(tmp_path: Path
+                                                                          ) -> None:
+    cfg = parse_config(seed_with("credit.experiment_arm", "branching",
+                                 credit__branch_k=3))
+    assert cfg.credit.experiment_arm == "branching" and cfg.credit.branch_k == 3
+    assert not cfg.environment.branching  # the RL arm itself does not fork
+    with pytest.raises(ConfigError) as err:
+        parse_config(seed_with("credit.experiment_arm", "gae"))
+    assert "credit.experiment_arm" in str(err.value)
+    with pytest.raises(ConfigError) as err:  # the RL arm is branching already
+        parse_config(seed_with("credit.experiment_arm", "branching",
+                               credit__estimator="branching", environment__branching=True))
+    assert "credit.experiment_arm" in str(err.value)
+    branching = parse_config(seed_with("credit.estimator", "branching",
+                                       environment__branching=True,
+                                       credit__branch_rule="max_surprisal"))
+    assert branching.credit.branch_rule == "max_surprisal"
+    with pytest.raises(ConfigError) as err:
+        parse_config(seed_with("credit.estimator", "branching"))  # environment.branching false
+    assert "environment.branching" in str(err.value)
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(seed_with("credit.experiment_arm", "branching")))
+    from closedloop.cli import main
+    assert main(["train", str(path), "--run-dir", str(tmp_path / "run")]) != 0
+    assert not (tmp_path / "run").exists()

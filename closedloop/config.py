@@ -126,8 +126,9 @@ class CreditSection:
     ``branching`` (each group's siblings get RLOO; at a declared branch point of up to
     ``branch_episodes_per_group`` of them, ``branch_k`` continuations are forked from the
     recorded decision state and each gets A = G - mean of the others on its own tokens; needs
-    ``environment.branching``). ``gae`` (turn-level GAE with a critic) is refused: the run
-    trains no critic over the LLM's hidden states (the recurrent actor–critic uses GAE).
+    ``environment.branching``), or ``gae`` (turn-level GAE with discount ``gamma`` and
+    ``gae_lambda``, a critic over the policy's hidden state at turn boundaries trained at
+    ``critic_learning_rate``; each turn's advantage on its own tokens).
     ``experiment_arm``: ``closedloop experiment`` also trains an arm with this estimator
     (``branching``) from the same cold start, budgets and evaluation, reported with its compute
     beside the rloo arm's; ``none`` (the default, the smoke's) trains none. A single run
@@ -144,6 +145,9 @@ class CreditSection:
     branch_rule: Literal["after_tool_observation", "max_surprisal"] = "after_tool_observation"
     branch_episodes_per_group: int = 2
     experiment_arm: Literal["none", "branching"] = "none"
+    gamma: float = 1.0
+    gae_lambda: float = 0.95
+    critic_learning_rate: float = 1e-3
 
 
 @dataclass(frozen=True)
@@ -400,16 +404,35 @@ def _check_honoured(cfg: RunConfig) -> None:
 
 
 _BRANCH_KEYS = ("branch_k", "branch_rule", "branch_episodes_per_group")
+_GAE_KEYS = ("gamma", "gae_lambda", "critic_learning_rate")
+
+
+def _check_gae(cfg: RunConfig) -> None:
+    """The GAE keys are read by ``credit.estimator: gae`` only, within their ranges."""
+    c = cfg.credit
+    default = CreditSection()
+    for name in _GAE_KEYS:
+        if c.estimator != "gae" and getattr(c, name) != getattr(default, name):
+            raise ConfigError(f"credit.{name}", "only read by credit.estimator 'gae'")
+    if c.estimator != "gae":
+        return
+    for name in ("gamma", "gae_lambda"):
+        if not 0.0 <= getattr(c, name) <= 1.0:
+            raise ConfigError(f"credit.{name}", "must lie in [0, 1]")
+    if not c.critic_learning_rate > 0:
+        raise ConfigError("credit.critic_learning_rate", "must be > 0")
+    if c.reward_control != "none":
+        raise ConfigError("credit.reward_control", "the shuffled-reward null of GAE credit is "
+                          "not implemented")
+    if c.group_reward_scale != "none":
+        raise ConfigError("credit.group_reward_scale", "GAE advantages are not group-relative:"
+                          " no std scale")
 
 
 def _check_credit(cfg: RunConfig) -> None:
     """The credit estimator's own keys are honoured or refused (docs/credit.md)."""
     c = cfg.credit
-    if c.estimator == "gae":
-        raise ConfigError("credit.estimator", "'gae' needs a turn-level critic over the LLM's "
-                          "hidden states, which the run does not train; use 'branching' for "
-                          "turn-level credit (GAE drives the recurrent actor-critic, "
-                          "python -m closedloop.experiments.recurrent_ac_report)")
+    _check_gae(cfg)
     branching = c.estimator == "branching"
     if branching and c.experiment_arm == "branching":
         raise ConfigError("credit.experiment_arm", "the experiment's RL arm already trains with "

@@ -91,11 +91,21 @@ def test_ppo_clip_may_reuse_a_batch() -> None:
 
 
 def test_credit_estimators_are_honoured_or_refused_by_name() -> None:
-    for name in ("rloo", "grpo", "dr_grpo"):
+    for name in ("rloo", "grpo", "dr_grpo", "gae"):
         assert parse_config(seed_with("credit.estimator", name)).credit.estimator == name
-    with pytest.raises(ConfigError) as err:  # no critic over the LLM's hidden states
-        parse_config(seed_with("credit.estimator", "gae"))
-    assert "credit.estimator" in str(err.value)
+    gae = parse_config(seed_with("credit.estimator", "gae", credit__gamma=0.9,
+                                 credit__gae_lambda=0.5, credit__critic_learning_rate=3e-4))
+    assert (gae.credit.gamma, gae.credit.gae_lambda) == (0.9, 0.5)
+    for key, value in (("credit.gamma", 1.5), ("credit.gae_lambda", -0.1),
+                       ("credit.critic_learning_rate", 0.0),
+                       ("credit.reward_control", "shuffle_within_group")):
+        with pytest.raises(ConfigError) as err:
+            parse_config(seed_with("credit.estimator", "gae", **{key.replace(".", "__"): value}))
+        assert key in str(err.value)
+    for key in ("credit.gamma", "credit.gae_lambda", "credit.critic_learning_rate"):
+        with pytest.raises(ConfigError) as err:  # read only by the gae estimator
+            parse_config(seed_with(key, 0.5))
+        assert key in str(err.value)
     with pytest.raises(ConfigError) as err:
         parse_config(seed_with("credit.estimator", "td_lambda"))
     assert "credit.estimator" in str(err.value)

@@ -193,9 +193,10 @@ class FeatureSource:
 
     def __init__(self, model: RecurrentActorCritic, codec: FeatureCodec,
                  sampler: SamplerConfig, build: str = "recurrent-ac") -> None:
-        if sampler.top_p < 1.0 or sampler.top_k is not None:
-            raise LearnError("the feature policy samples its full masked distribution: "
-                             "top_p/top_k are not implemented")
+        if sampler.top_p < 1.0 or sampler.top_k is not None or sampler.temperature != 1.0:
+            raise LearnError("the feature policy samples its full masked distribution at "
+                             "temperature 1.0 (or greedily): top_p, top_k and other "
+                             "temperatures are not implemented")
         self.model, self.codec, self.sampler, self.build = model, codec, sampler, build
         self._sessions: dict[str, _Session] = {}
 
@@ -236,8 +237,6 @@ class FeatureSource:
         prev = torch.tensor([s.prev for s in sessions], dtype=torch.long)
         mask = torch.tensor([s.mask for s in sessions], dtype=torch.bool)
         h = torch.stack([s.h for s in sessions])
-        if self.sampler.temperature != 1.0:
-            raise LearnError("the feature policy samples at temperature 1.0 only")
         logp, _, h_new = self.model.step(feats, prev, h, mask)
         out = []
         for i, s in enumerate(sessions):

@@ -4,7 +4,9 @@
 - ``rloo``, ``grpo``, ``dr_grpo``: one advantage per admitted episode from its group's rewards
   (the shuffled-reward null permutes them first), under the declared censoring rule;
 - ``branching``: RLOO over each group's siblings, plus the advantages of the continuations
-  forked at the siblings' branch points (:mod:`closedloop.training.branch_step`).
+  forked at the siblings' branch points (:mod:`closedloop.training.branch_step`);
+- ``gae``: turn-level GAE with a critic over the policy's hidden states, each turn's advantage
+  on its own action tokens (:mod:`closedloop.training.gae_step`).
 
 Every RL step's metrics record says which estimator produced its update (``credit.estimator``),
 and, for branching, what the branches cost (``credit.branch``).
@@ -21,11 +23,15 @@ from typing import Any
 import torch
 
 from closedloop.contracts import Episode, PolicyManifest
+from closedloop.contracts.batch import TrainingBatch
 from closedloop.learn.branching import branch_compute, branch_credit
 from closedloop.learn.credit import ESTIMATORS, GroupCredit, group_advantages
+from closedloop.learn.critic import TurnCritic
 from closedloop.learn.reducers import apply_group_reward_scale
+from closedloop.learn.turn_credit import broadcast_turn_values
 from closedloop.rollout.collector import CollectedGroup
 from closedloop.training.branch_step import step_branches
+from closedloop.training.gae_step import credited, load_critic, new_critic, save_critic, turn_gae
 from closedloop.training.resume import RunCheckpoints
 
 
@@ -42,12 +48,22 @@ class StepCredit:
     success: list[bool] = field(default_factory=list)
     record: dict[str, Any] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
+    turn_advantages: list[list[float]] | None = None
 
     def add(self, episode: Episode, advantage: float, reward: float | None) -> None:
         """Append one episode of the batch."""
         self.episodes.append(episode)
         self.advantages.append(advantage)
         self.success.append(bool((reward or 0) >= 1.0))
+
+    def token_advantages(self, batch: TrainingBatch) -> torch.Tensor | None:
+        """Per-token advantages of ``batch`` (built from ``episodes``): each turn's advantage
+        on its own action tokens, or ``None`` when the estimator gives one per episode."""
+        if self.turn_advantages is None:
+            return None
+        width = max(len(a) for a in self.turn_advantages)
+        table = torch.tensor([a + [0.0] * (width - len(a)) for a in self.turn_advantages])
+        return broadcast_turn_values(table, batch.turn_ids_B_T, batch.action_mask_B_T)
 
 
 class RunCredit(RunCheckpoints):
@@ -63,7 +79,48 @@ class RunCredit(RunCheckpoints):
             return out
         if name == "branching":
             return self.branching_credit(step, manifest, groups)
+        if name == "gae":
+            return self.gae_credit(groups)
         raise NotImplementedError(f"credit.estimator {name!r} is refused at config load")
+
+    def gae_credit(self, groups: Sequence[CollectedGroup]) -> StepCredit:
+        """Turn-level GAE with the critic over the policy's hidden states
+        (``closedloop.training.gae_step``); the groups' RLOO credit is computed for the
+        zero-variance counts only. The episode advantage reported is its turns' mean."""
+        out = StepCredit("gae")
+        out.credits = self._summary_credit(groups)
+        t0 = time.perf_counter()
+        episodes = [ep for g in groups for ep in g.episodes if credited(ep)]
+        if episodes:
+            critic, optimizer = self.turn_critic()
+            advantages, out.record = turn_gae(self, critic, optimizer, episodes)
+            out.turn_advantages = advantages
+            for ep, adv in zip(episodes, advantages, strict=True):
+                out.add(ep, sum(adv) / len(adv), ep.trajectory.task_success)
+        out.seconds["critic_s"] = time.perf_counter() - t0
+        return out
+
+    def _summary_credit(self, groups: Sequence[CollectedGroup]) -> list[GroupCredit]:
+        summary = StepCredit("rloo")
+        self.group_credit(groups, "rloo", summary)
+        return summary.credits
+
+    def turn_critic(self) -> tuple[TurnCritic, torch.optim.Optimizer]:
+        """The run's critic and its optimizer (created at first use)."""
+        if getattr(self, "_critic", None) is None:
+            self._critic = new_critic(self.model, self.cfg.training.seed + 7,
+                                      self.cfg.credit.critic_learning_rate)
+        return self._critic
+
+    def save_credit_state(self, step: int) -> None:
+        """The critic beside checkpoint ``step`` (gae only)."""
+        if self.cfg.credit.estimator == "gae":
+            save_critic(self.dir, step, *self.turn_critic())
+
+    def load_credit_state(self, step: int) -> None:
+        """The critic of checkpoint ``step`` (gae only)."""
+        if self.cfg.credit.estimator == "gae":
+            load_critic(self.dir, step, *self.turn_critic())
 
     def branching_credit(self, step: int, manifest: PolicyManifest,
                          groups: Sequence[CollectedGroup]) -> StepCredit:

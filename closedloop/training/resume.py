@@ -22,9 +22,16 @@ from closedloop.training.run_policy import RunPolicy, adapter_state
 class RunCheckpoints(RunPolicy):
     """The run's checkpoints and resume (a ``TrainingRun`` part)."""
 
+    def save_credit_state(self, step: int) -> None:
+        """Hook: state a credit estimator keeps beside checkpoint ``step`` (none here)."""
+
+    def load_credit_state(self, step: int) -> None:
+        """Hook: restore what ``save_credit_state`` kept for checkpoint ``step``."""
+
     def _checkpoint(self, step: int, version: str) -> None:
         if self.trainer is None:
             raise RunNotReadyError("no trainer")
+        self.save_credit_state(step)  # before the checkpoint that names the step commits
         adapter = adapter_state(self.model)
         save_checkpoint(self.dir / "checkpoints", step, adapter,
                         self.trainer.optimizer.state_dict(), version, sorted(self.consumed),
@@ -47,6 +54,7 @@ class RunCheckpoints(RunPolicy):
         if missing.unexpected_keys:
             raise CheckpointError(f"checkpoint holds unknown tensors: {missing.unexpected_keys}")
         self.trainer.optimizer.load_state_dict(ckpt.optimizer_state)
+        self.load_credit_state(ckpt.step)
         restore_rng_states(ckpt.rng_states, {"generator": self.generator.rng}
                            if "generator" in ckpt.rng_states.get("generators", {}) else None)
         if "task_sampler" in ckpt.extra:

@@ -93,7 +93,8 @@ class RunRLStep(RunCredit):
             self.ledger.require_admitted([g.lease.group_id for g in admitted])
             batch = build_training_batch(credit.episodes, pad_id=self.pad_id)
             result = self.trainer.step(batch, torch.tensor(credit.advantages),
-                                       torch.tensor(credit.success))
+                                       torch.tensor(credit.success),
+                                       token_advantages_B_T=credit.token_advantages(batch))
             metrics = dict(result.metrics)
         times["update_s"] = time.perf_counter() - t2 - sum(credit.seconds.values())
         t3 = time.perf_counter()

@@ -130,8 +130,8 @@ class CreditSection:
     ``gae_lambda``, a critic over the policy's hidden state at turn boundaries trained at
     ``critic_learning_rate``; each turn's advantage on its own tokens).
     ``experiment_arm``: ``closedloop experiment`` also trains an arm with this estimator
-    (``branching``) from the same cold start, budgets and evaluation, reported with its compute
-    beside the rloo arm's; ``none`` (the default, the smoke's) trains none. A single run
+    (``branching`` or ``gae``) from the same cold start, budgets and evaluation, reported with
+    its compute beside the rloo arm's; ``none`` (the default, the smoke's) trains none. A single run
     (``closedloop train``) refuses it.
     """
 
@@ -144,7 +144,7 @@ class CreditSection:
     branch_k: int = 4
     branch_rule: Literal["after_tool_observation", "max_surprisal"] = "after_tool_observation"
     branch_episodes_per_group: int = 2
-    experiment_arm: Literal["none", "branching"] = "none"
+    experiment_arm: Literal["none", "branching", "gae"] = "none"
     gamma: float = 1.0
     gae_lambda: float = 0.95
     critic_learning_rate: float = 1e-3
@@ -411,17 +411,22 @@ def _check_gae(cfg: RunConfig) -> None:
     """The GAE keys are read by ``credit.estimator: gae`` only, within their ranges."""
     c = cfg.credit
     default = CreditSection()
+    reads = c.estimator == "gae" or c.experiment_arm == "gae"
     for name in _GAE_KEYS:
-        if c.estimator != "gae" and getattr(c, name) != getattr(default, name):
-            raise ConfigError(f"credit.{name}", "only read by credit.estimator 'gae'")
-    if c.estimator != "gae":
+        if not reads and getattr(c, name) != getattr(default, name):
+            raise ConfigError(f"credit.{name}", "only read by credit.estimator 'gae' or "
+                              "credit.experiment_arm 'gae'")
+    if c.estimator == "gae" and c.experiment_arm == "gae":
+        raise ConfigError("credit.experiment_arm", "the experiment's RL arm already trains with "
+                          "GAE credit")
+    if not reads:
         return
     for name in ("gamma", "gae_lambda"):
         if not 0.0 <= getattr(c, name) <= 1.0:
             raise ConfigError(f"credit.{name}", "must lie in [0, 1]")
     if not c.critic_learning_rate > 0:
         raise ConfigError("credit.critic_learning_rate", "must be > 0")
-    if c.reward_control != "none":
+    if c.estimator == "gae" and c.reward_control != "none":
         raise ConfigError("credit.reward_control", "the shuffled-reward null of GAE credit is "
                           "not implemented")
     if c.group_reward_scale != "none":

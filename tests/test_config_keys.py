@@ -122,8 +122,10 @@ def test_the_experiment_arm_reads_the_branching_keys_and_train_refuses_it(tmp_pa
                                  credit__branch_k=3))
     assert cfg.credit.experiment_arm == "branching" and cfg.credit.branch_k == 3
     assert not cfg.environment.branching  # the RL arm itself does not fork
+    gae_arm = parse_config(seed_with("credit.experiment_arm", "gae", credit__gamma=0.9))
+    assert gae_arm.credit.gamma == 0.9 and gae_arm.credit.estimator == "rloo"
     with pytest.raises(ConfigError) as err:
-        parse_config(seed_with("credit.experiment_arm", "gae"))
+        parse_config(seed_with("credit.experiment_arm", "td_lambda"))
     assert "credit.experiment_arm" in str(err.value)
     with pytest.raises(ConfigError) as err:  # the RL arm is branching already
         parse_config(seed_with("credit.experiment_arm", "branching",

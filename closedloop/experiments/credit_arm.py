@@ -1,9 +1,9 @@
 """The optional credit arm of a controlled experiment (``credit.experiment_arm``; credit
 estimators by name, docs/credit.md).
 
-With ``credit.experiment_arm: branching`` the experiment also trains an arm named
-``branching``: the rloo arm's loop, budgets, cold start (copied, not retrained) and evaluation,
-with ``credit.estimator: branching`` and ``environment.branching: true``. Its held-out success
+With ``credit.experiment_arm: branching`` (or ``gae``) the experiment also trains an arm of that
+name: the rloo arm's loop, budgets, cold start (copied, not retrained) and evaluation, with
+that ``credit.estimator`` (and ``environment.branching: true`` for branching). Its held-out success
 is reported with its paired difference from the frozen start and from the rloo arm, and every
 trained arm's entry carries its **compute** from its metrics (:func:`arm_compute`): steps,
 collected and trained episodes and action tokens, branch continuations and their own turns and
@@ -22,7 +22,7 @@ from closedloop.errors import ConfigError
 
 __all__ = ["OPTIONAL_ARMS", "arm_compute", "credit_arm_config"]
 
-OPTIONAL_ARMS = ("branching",)
+OPTIONAL_ARMS = ("branching", "gae")
 """Arms an experiment trains only when ``credit.experiment_arm`` names them."""
 
 
@@ -30,10 +30,11 @@ def credit_arm_config(cfg: RunConfig) -> RunConfig:
     """The credit arm's config: the experiment's, with the estimator of ``experiment_arm``,
     the environment's forks on, and the held-out curve reduced to start and final (the
     learning curve is the rloo arm's)."""
-    if cfg.credit.experiment_arm != "branching":
+    name = cfg.credit.experiment_arm
+    if name == "none":
         raise ConfigError("credit.experiment_arm", "no credit arm to train")
-    return replace(cfg, credit=replace(cfg.credit, estimator="branching", reward_control="none"),
-                   environment=replace(cfg.environment, branching=True),
+    return replace(cfg, credit=replace(cfg.credit, estimator=name, reward_control="none"),
+                   environment=replace(cfg.environment, branching=name == "branching"),
                    evaluation=replace(cfg.evaluation, curve_points=2))
 
 

@@ -13,10 +13,8 @@ import torch
 from closedloop.config import RunConfig, parse_config
 from closedloop.contracts import load_episodes
 from closedloop.errors import CheckpointError
-from closedloop.learn.critic import TurnCritic
+from closedloop.learn.turn_credit import broadcast_turn_values, turn_table
 from closedloop.rollout.tensors import build_training_batch
-from closedloop.training.credit_step import StepCredit
-from closedloop.training.gae_step import load_critic
 from closedloop.training.loop import train
 from tests.conftest import short_run_config
 
@@ -49,18 +47,18 @@ def test_gae_trains_turn_credit_and_resumes_with_its_critic(tiny_agent_dir: Path
         assert (run / "critic" / "step-000002.pt").is_file()
     finally:
         torch.set_num_threads(threads)
-    critic = TurnCritic(8)
-    with pytest.raises(CheckpointError):
-        load_critic(run, 7, critic, torch.optim.Adam(critic.parameters()))
+    with pytest.raises(CheckpointError) as err:  # a checkpoint step without its critic
+        (run / "critic" / "step-000002.pt").unlink()
+        train(_cfg(tiny_agent_dir, 2), run, config_override="one more step")
+    assert "step-000002.pt" in str(err.value)
 
     # the painting: a turn's advantage on its own action tokens, 0 on prompts and padding
     _, episodes = load_episodes(run / "traces" / "step-0000.jsonl")
-    credit = StepCredit("gae", episodes=list(episodes),
-                        turn_advantages=[[0.5 + k for k in range(len(ep.turns))]
-                                         for ep in episodes])
-    batch = build_training_batch(credit.episodes)
-    token_adv = credit.token_advantages(batch)
-    assert token_adv is not None and token_adv.shape == batch.token_ids_B_T.shape
+    turn_adv = [[0.5 + k for k in range(len(ep.turns))] for ep in episodes]
+    batch = build_training_batch(list(episodes))
+    token_adv = broadcast_turn_values(turn_table(turn_adv), batch.turn_ids_B_T,
+                                      batch.action_mask_B_T)
+    assert token_adv.shape == batch.token_ids_B_T.shape
     on = batch.action_mask_B_T > 0
     torch.testing.assert_close(token_adv[on], (batch.turn_ids_B_T[on] + 0.5).float())
     assert bool((token_adv[~on] == 0).all())

@@ -66,6 +66,9 @@ class ObjectiveInputs:
     ``token_advantages_B_T``: per-token advantages aligned with the mask; when given they
     replace the broadcast of ``advantages_B`` (which is then only reported), and must be finite
     on the mask.
+    ``proximal_logprobs_B_T``: log π_prox when it is not π_beh (the decoupled objective: the
+    trainer's weights as the step started); a ratio objective then clips πθ/π_prox and weighs
+    each token by w = π_prox/π_beh, capped at ``behavior_weight_cap`` (None: uncapped).
     """
 
     new_logprobs_B_T: torch.Tensor
@@ -82,6 +85,8 @@ class ObjectiveInputs:
     length_band_edges: tuple[int, int] = (64, 256)
     weights_B_T: torch.Tensor | None = None
     token_advantages_B_T: torch.Tensor | None = None
+    proximal_logprobs_B_T: torch.Tensor | None = None
+    behavior_weight_cap: float | None = None
 
 
 class ObjectiveOutput(NamedTuple):

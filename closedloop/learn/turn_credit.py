@@ -51,6 +51,7 @@ __all__ = [
     "td_residuals",
     "telescoping_gap",
     "turn_rewards",
+    "turn_table",
 ]
 
 BOOTSTRAP_CODES = frozenset({Termination.MAX_STEP_TRUNCATION, Termination.MAX_TOKEN_TRUNCATION})
@@ -171,6 +172,13 @@ def telescoping_gap(rewards_K: torch.Tensor, values_K1: torch.Tensor,
     g0 = float(returns_to_go(rewards_K, gamma)[0]) if k else 0.0
     rhs = g0 - float(values_K1[0]) + gamma**k * float(values_K1[-1])
     return lhs, rhs
+
+
+def turn_table(rows: Sequence[Sequence[float]]) -> torch.Tensor:
+    """Ragged per-turn values (one row per episode) as a [B, K_max] float32 tensor, 0-padded."""
+    width = max((len(r) for r in rows), default=0)
+    return torch.tensor([list(r) + [0.0] * (width - len(r)) for r in rows],
+                        dtype=torch.float32).reshape(len(rows), width)
 
 
 def broadcast_turn_values(turn_values_B_K: torch.Tensor, turn_ids_B_T: torch.Tensor,

@@ -44,10 +44,16 @@ from closedloop.contracts import (
     content_hash,
 )
 from closedloop.errors import BranchError, SnapshotMismatchError
-from closedloop.rollout.collector import INFRA_FAILURES, BranchOrigin, CollectedGroup, Collector
+from closedloop.rollout.collector import INFRA_FAILURES, Collector
 from closedloop.rollout.collector import _Live as Live
 from closedloop.rollout.collector import _now as now
 from closedloop.rollout.prefix import AgentPrefix, executed_turns
+from closedloop.rollout.verifier_step import (
+    BranchOrigin,
+    CollectedGroup,
+    RolloutGroup,
+    VerifierStep,
+)
 
 __all__ = ["BRANCH_RULES", "BranchCollector", "BranchRule", "branch_points", "branch_stream"]
 
@@ -94,6 +100,9 @@ class BranchCollector(Collector):
         """K continuations of each (prefix, env left at S_t); one group per prefix, in order."""
         if k < 2:
             raise BranchError(f"branching credit compares continuations: K must be >= 2, got {k}")
+        if self.scorer is None:
+            raise BranchError("branch collection scores its continuations: the collector "
+                              "needs a scorer")
         started = time.perf_counter()
         leases: list[GroupLease] = []
         live: list[Live] = []
@@ -102,8 +111,9 @@ class BranchCollector(Collector):
             live += self._open_branches(prefix, leases[-1], env)
         finished = {ep.key: self._finish(ep) for ep in live if ep.termination is not None}
         self._drive([e for e in live if e.termination is None], finished, started, progress)
-        return [CollectedGroup(lease, tuple(finished[f"{lease.group_id}/{i}"] for i in range(k)))
-                for lease in leases]
+        rollouts = [RolloutGroup(lease, tuple(finished[f"{lease.group_id}/{i}"]
+                                              for i in range(k))) for lease in leases]
+        return VerifierStep(self.scorer, self.writer).score(rollouts)
 
     def _lease(self, prefix: AgentPrefix, k: int) -> GroupLease:
         m = self.manifest

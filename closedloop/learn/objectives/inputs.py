@@ -32,6 +32,7 @@ class PreparedBatch:
     entropy: torch.Tensor | None
     weights: torch.Tensor
     adv_B_T: torch.Tensor
+    prox: torch.Tensor | None = None
 
 
 def _on_mask(x: torch.Tensor, on: torch.Tensor, name: str) -> torch.Tensor:
@@ -92,4 +93,6 @@ def prepare(inputs: ObjectiveInputs) -> PreparedBatch:
         entropy=None if ent is None else _on_mask(ent.detach(), on, "entropy_B_T"),
         weights=_weights(inputs, on, new.dtype),
         adv_B_T=adv_B_T,
+        prox=None if inputs.proximal_logprobs_B_T is None else _on_mask(
+            inputs.proximal_logprobs_B_T.detach().to(new.dtype), on, "proximal_logprobs_B_T"),
     )

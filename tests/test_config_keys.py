@@ -143,3 +143,15 @@ def test_the_experiment_arm_reads_the_branching_keys_and_train_refuses_it(tmp_pa
     from closedloop.cli import main
     assert main(["train", str(path), "--run-dir", str(tmp_path / "run")]) != 0
     assert not (tmp_path / "run").exists()
+
+
+def test_turn_level_credit_is_refused_outside_the_synchronous_loop() -> None:
+    for estimator, extra in (("gae", {}), ("branching", {"environment__branching": True})):
+        with pytest.raises(ConfigError) as err:
+            parse_config(seed_with("credit.estimator", estimator, rollout__mode="async",
+                                   update__objective="ppo_clip", **extra))
+        assert "credit.estimator" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        parse_config(seed_with("credit.experiment_arm", "gae", rollout__max_version_lag=1,
+                               update__objective="ppo_clip"))
+    assert "credit.experiment_arm" in str(err.value)

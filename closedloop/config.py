@@ -151,9 +151,22 @@ class WeightSyncSection:
 
 @dataclass(frozen=True)
 class CreditSection:
-    """Credit estimator and loss reduction."""
+    """Credit estimator and loss reduction (docs/credit.md).
 
-    estimator: Literal["rloo", "grpo", "dr_grpo"] = "rloo"
+    ``estimator``: the trajectory-level group estimators ``rloo``, ``grpo``, ``dr_grpo``, or
+    ``branching`` (each group's siblings get RLOO; at a declared branch point of up to
+    ``branch_episodes_per_group`` of them, ``branch_k`` continuations are forked from the
+    recorded decision state and each gets A = G - mean of the others on its own tokens; needs
+    ``environment.branching``), or ``gae`` (turn-level GAE with discount ``gamma`` and
+    ``gae_lambda``, a critic over the policy's hidden state at turn boundaries trained at
+    ``critic_learning_rate``; each turn's advantage on its own tokens).
+    ``experiment_arm``: ``closedloop experiment`` also trains an arm with this estimator
+    (``branching`` or ``gae``) from the same cold start, budgets and evaluation, reported with
+    its compute beside the rloo arm's; ``none`` (the default, the smoke's) trains none. A single run
+    (``closedloop train``) refuses it.
+    """
+
+    estimator: Literal["rloo", "grpo", "dr_grpo", "gae", "branching"] = "rloo"
     reduction: Literal["episode_sum", "length_normalized", "token_mean",
                        "turn_mass_conserving"] = "episode_sum"
     group_reward_scale: Literal["none", "std"] = "none"
@@ -164,6 +177,13 @@ class CreditSection:
     # for update rules odd in the gradient too; the experiment's shuffled arm).
     reward_control: Literal["none", "shuffle_within_group",
                             "shuffle_flip_within_group"] = "none"
+    branch_k: int = 4
+    branch_rule: Literal["after_tool_observation", "max_surprisal"] = "after_tool_observation"
+    branch_episodes_per_group: int = 2
+    experiment_arm: Literal["none", "branching", "gae"] = "none"
+    gamma: float = 1.0
+    gae_lambda: float = 0.95
+    critic_learning_rate: float = 1e-3
 
 
 @dataclass(frozen=True)
@@ -373,6 +393,7 @@ def _check_ranges(cfg: RunConfig) -> None:
         if not 0 <= getattr(cfg.evaluation, key.split(".")[1]) <= 1:
             raise ConfigError(key, "must be in [0, 1]")
     _check_environment(cfg.environment)
+    _check_credit(cfg)
     if cfg.environment.family_disjoint_tasks < 0:
         raise ConfigError("environment.family_disjoint_tasks", "must be >= 0")
     if not cfg.evaluation.template_disjoint:
@@ -409,8 +430,6 @@ _HONOURED_ONLY: tuple[tuple[str, object, str], ...] = (
      "(task, seed); carrying state across episodes is not implemented"),
     ("environment.base_snapshot_per_task", True, "every episode records its task's base "
      "snapshot id at reset and the collector checks it against the group lease"),
-    ("environment.branching", False, "turn-level forks are not implemented (restore fidelity "
-     "is gated first: restore_replay, fork_isolation_and_seal)"),
     ("consistency.audit_frozen_checkpoint", True, "the run always audits the frozen start "
      "checkpoint (audit.json); the train_inference_mismatch gate needs it"),
     ("weight_sync.require_all_worker_checksums", True, "a version is published only after the "
@@ -471,6 +490,74 @@ def _check_honoured(cfg: RunConfig) -> None:
         raise ConfigError("update.reference_policy", "'initial' (the pre-SFT weights) is not "
                           "kept as a reference when sft.enabled: π_ref is the warm-started base "
                           "('initial_sft'); without SFT the two are the same weights")
+
+
+_BRANCH_KEYS = ("branch_k", "branch_rule", "branch_episodes_per_group")
+_GAE_KEYS = ("gamma", "gae_lambda", "critic_learning_rate")
+
+
+def _check_gae(cfg: RunConfig) -> None:
+    """The GAE keys are read by ``credit.estimator: gae`` only, within their ranges."""
+    c = cfg.credit
+    default = CreditSection()
+    reads = c.estimator == "gae" or c.experiment_arm == "gae"
+    for name in _GAE_KEYS:
+        if not reads and getattr(c, name) != getattr(default, name):
+            raise ConfigError(f"credit.{name}", "only read by credit.estimator 'gae' or "
+                              "credit.experiment_arm 'gae'")
+    if c.estimator == "gae" and c.experiment_arm == "gae":
+        raise ConfigError("credit.experiment_arm", "the experiment's RL arm already trains with "
+                          "GAE credit")
+    if not reads:
+        return
+    for name in ("gamma", "gae_lambda"):
+        if not 0.0 <= getattr(c, name) <= 1.0:
+            raise ConfigError(f"credit.{name}", "must lie in [0, 1]")
+    if not c.critic_learning_rate > 0:
+        raise ConfigError("credit.critic_learning_rate", "must be > 0")
+    if c.estimator == "gae" and c.reward_control != "none":
+        raise ConfigError("credit.reward_control", "the shuffled-reward null of GAE credit is "
+                          "not implemented")
+    if c.group_reward_scale != "none":
+        raise ConfigError("credit.group_reward_scale", "GAE advantages are not group-relative:"
+                          " no std scale")
+
+
+def _check_credit(cfg: RunConfig) -> None:
+    """The credit estimator's own keys are honoured or refused (docs/credit.md)."""
+    c = cfg.credit
+    _check_gae(cfg)
+    branching = c.estimator == "branching"
+    turn_level = c.estimator in ("branching", "gae") or c.experiment_arm != "none"
+    if turn_level and (cfg.rollout.mode != "synchronous" or cfg.rollout.max_version_lag):
+        raise ConfigError("credit.estimator" if c.experiment_arm == "none"
+                          else "credit.experiment_arm",
+                          "branching and GAE credit run in the synchronous loop only (rollout."
+                          "mode synchronous, max_version_lag 0): branches sample the round's "
+                          "behaviour version, the critic reads the trainer's")
+    if branching and c.experiment_arm == "branching":
+        raise ConfigError("credit.experiment_arm", "the experiment's RL arm already trains with "
+                          "branching credit")
+    if branching != cfg.environment.branching:
+        raise ConfigError("environment.branching", "turn-level forks run exactly when "
+                          "credit.estimator is 'branching' (then true, else false)")
+    default = CreditSection()
+    reads_branch_keys = branching or c.experiment_arm == "branching"
+    for name in _BRANCH_KEYS:
+        if not reads_branch_keys and getattr(c, name) != getattr(default, name):
+            raise ConfigError(f"credit.{name}", "only read by credit.estimator 'branching' or "
+                              "credit.experiment_arm 'branching'")
+    if reads_branch_keys:
+        if c.branch_k < 2:
+            raise ConfigError("credit.branch_k", "branching compares continuations: >= 2")
+        if c.branch_episodes_per_group < 1:
+            raise ConfigError("credit.branch_episodes_per_group", "must be >= 1")
+        if branching and c.reward_control != "none":
+            raise ConfigError("credit.reward_control", "the shuffled-reward null of branching "
+                              "credit is not implemented")
+        if c.group_reward_scale != "none":
+            raise ConfigError("credit.group_reward_scale", "branching credit is RLOO over "
+                              "siblings and over continuations: no std scale")
 
 
 def _check_environment(env: EnvironmentSection) -> None:

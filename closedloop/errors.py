@@ -368,6 +368,17 @@ class ContextBudgetExceeded(ClosedloopError):
         self.keys = list(keys)
 
 
+class PrefixRestoreError(SnapshotMismatchError):
+    """A recorded episode's prefix did not reproduce its recorded state hashes on replay, so no
+    snapshot of the replayed env can stand for the recorded decision state (branching, shaping
+    and the causal audit refuse it)."""
+
+
+class BranchError(ClosedloopError):
+    """A branch request breaks the branching contract (a branch point outside the episode's
+    executed turns, fewer than two continuations, a parent without a recorded prompt)."""
+
+
 class LedgerError(ClosedloopError):
     """Base class of every group ledger error."""
 
@@ -510,6 +521,12 @@ class EmptySampleError(StatsInputError):
 
 class RetainSuiteMismatchError(StatsInputError):
     """The two evaluations to compare do not cover the same retain suites."""
+
+
+class CausalAuditError(ContractError, ValueError):
+    """A causal audit was handed an episode it cannot intervene on (not scored, not terminal) or
+    credits that do not cover an episode's executed turns, or an intervention without its
+    replacement."""
 
 
 class RunDirError(ClosedloopError):

@@ -120,3 +120,70 @@ def test_an_in_flight_policy_needs_a_boundary_a_lag_and_its_label() -> None:
     cfg = parse_config(seed_with("rollout.in_flight_policy", "mixed_policy",
                                  rollout__pin_policy_for_full_episode=False, **ok))
     assert not cfg.rollout.pin_policy_for_full_episode
+
+
+def test_credit_estimators_are_honoured_or_refused_by_name() -> None:
+    for name in ("rloo", "grpo", "dr_grpo", "gae"):
+        assert parse_config(seed_with("credit.estimator", name)).credit.estimator == name
+    gae = parse_config(seed_with("credit.estimator", "gae", credit__gamma=0.9,
+                                 credit__gae_lambda=0.5, credit__critic_learning_rate=3e-4))
+    assert (gae.credit.gamma, gae.credit.gae_lambda) == (0.9, 0.5)
+    for key, value in (("credit.gamma", 1.5), ("credit.gae_lambda", -0.1),
+                       ("credit.critic_learning_rate", 0.0),
+                       ("credit.reward_control", "shuffle_within_group")):
+        with pytest.raises(ConfigError) as err:
+            parse_config(seed_with("credit.estimator", "gae", **{key.replace(".", "__"): value}))
+        assert key in str(err.value)
+    for key in ("credit.gamma", "credit.gae_lambda", "credit.critic_learning_rate"):
+        with pytest.raises(ConfigError) as err:  # read only by the gae estimator
+            parse_config(seed_with(key, 0.5))
+        assert key in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        parse_config(seed_with("credit.estimator", "td_lambda"))
+    assert "credit.estimator" in str(err.value)
+    for key, value in (("credit.branch_k", 8), ("credit.branch_rule", "max_surprisal"),
+                       ("credit.branch_episodes_per_group", 1)):
+        with pytest.raises(ConfigError) as err:  # read only by the branching estimator
+            parse_config(seed_with(key, value))
+        assert key in str(err.value)
+
+
+def test_the_experiment_arm_reads_the_branching_keys_and_train_refuses_it(tmp_path: Path
+                                                                          ) -> None:
+    cfg = parse_config(seed_with("credit.experiment_arm", "branching",
+                                 credit__branch_k=3))
+    assert cfg.credit.experiment_arm == "branching" and cfg.credit.branch_k == 3
+    assert not cfg.environment.branching  # the RL arm itself does not fork
+    gae_arm = parse_config(seed_with("credit.experiment_arm", "gae", credit__gamma=0.9))
+    assert gae_arm.credit.gamma == 0.9 and gae_arm.credit.estimator == "rloo"
+    with pytest.raises(ConfigError) as err:
+        parse_config(seed_with("credit.experiment_arm", "td_lambda"))
+    assert "credit.experiment_arm" in str(err.value)
+    with pytest.raises(ConfigError) as err:  # the RL arm is branching already
+        parse_config(seed_with("credit.experiment_arm", "branching",
+                               credit__estimator="branching", environment__branching=True))
+    assert "credit.experiment_arm" in str(err.value)
+    branching = parse_config(seed_with("credit.estimator", "branching",
+                                       environment__branching=True,
+                                       credit__branch_rule="max_surprisal"))
+    assert branching.credit.branch_rule == "max_surprisal"
+    with pytest.raises(ConfigError) as err:
+        parse_config(seed_with("credit.estimator", "branching"))  # environment.branching false
+    assert "environment.branching" in str(err.value)
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(seed_with("credit.experiment_arm", "branching")))
+    from closedloop.cli import main
+    assert main(["train", str(path), "--run-dir", str(tmp_path / "run")]) != 0
+    assert not (tmp_path / "run").exists()
+
+
+def test_turn_level_credit_is_refused_outside_the_synchronous_loop() -> None:
+    for estimator, extra in (("gae", {}), ("branching", {"environment__branching": True})):
+        with pytest.raises(ConfigError) as err:
+            parse_config(seed_with("credit.estimator", estimator, rollout__mode="async",
+                                   update__objective="ppo_clip", **extra))
+        assert "credit.estimator" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        parse_config(seed_with("credit.experiment_arm", "gae", rollout__max_version_lag=1,
+                               update__objective="ppo_clip"))
+    assert "credit.experiment_arm" in str(err.value)

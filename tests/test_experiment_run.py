@@ -1,8 +1,9 @@
 """The four-arm experiment run end to end on the tiny agent: every suite the config asks for
 is evaluated for the arms that answer it (the retain suites included: they run and report),
 the null relabels rewards, the SFT-only arm trains the RL arm's action tokens within the
-declared tolerance, and an arm finished before a suite was evaluated gets that evaluation on
-resume, without training again."""
+declared tolerance, an arm finished before a suite was evaluated gets that evaluation on
+resume, without training again, and the optional branching-credit arm runs end to end with its
+compute beside the rloo arm's."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ def _run(exp: Path, model: Path) -> dict[str, object]:
     data = short_run_config(model, 1)
     data["evaluation"]["cold_start_train_eval"] = True  # type: ignore[index]
     data["evaluation"]["retain_suites"] = ["safety"]  # type: ignore[index]
+    data["credit"].update({"experiment_arm": "branching", "branch_k": 2})  # type: ignore[attr-defined]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -61,6 +63,19 @@ def test_the_train_suite_is_compared_for_the_rl_arm_and_its_null_and_filled_in_o
         assert diff["n_tasks"] == train["tasks"] == 2 and diff["lo"] <= diff["estimate"]
         assert (exp / "arms" / name / "traces" / "eval-final-train.jsonl").is_file()
     assert not (exp / "arms" / "sft_only" / "traces" / "eval-final-train.jsonl").exists()
+    # the optional credit arm: branching credit, its held-out result and its compute beside
+    # the rloo arm's, the estimator of its update in its metrics
+    arms = result["arms"]
+    assert set(arms) == {"frozen", "rloo", "shuffled", "sft_only", "branching"}
+    branching, rloo = arms["branching"], arms["rloo"]
+    assert {"success", "diff_vs_frozen", "diff_vs_rloo", "compute"} <= set(branching)
+    assert branching["compute"]["estimators"] == ["branching"]
+    assert rloo["compute"]["estimators"] == ["rloo"] and rloo["compute"]["branches"][
+        "continuations"] == 0
+    assert branching["compute"]["branches"]["continuations"] > 0
+    assert branching["compute"]["seconds"]["branch_s"] > 0
+    assert (exp / "arms" / "branching" / "traces" / "step-0000-branches.jsonl").is_file()
+    assert "diff_vs_frozen" not in arms["frozen"] and "compute" not in arms["sft_only"]
     for suite in suites.values():  # the frozen arm is the baseline, never compared to itself
         assert "diff_vs_frozen" not in suite["arms"]["frozen"]
 

@@ -24,8 +24,13 @@ from closedloop.progress import phase_lines, phase_times, reset_phases
 def cmd_train(args: argparse.Namespace) -> int:
     """Run (or resume) a training run from a config file."""
     from closedloop.config import load_config
+    from closedloop.errors import ConfigError
 
-    return _run_training(load_config(args.config), args)
+    cfg = load_config(args.config)
+    if cfg.credit.experiment_arm != "none":
+        raise ConfigError("credit.experiment_arm", "an extra arm of `closedloop experiment`: a "
+                          "single run does not train it")
+    return _run_training(cfg, args)
 
 
 def cmd_smoke(args: argparse.Namespace) -> int:

@@ -30,7 +30,25 @@ def arm_lines(result: dict[str, Any]) -> list[str]:
                      + (f"  diff {fmt(diff['estimate'])} [{fmt(diff['lo'])}, "
                         f"{fmt(diff['hi'])}]{' (CI excludes 0)' if diff['excludes_zero'] else ''}"
                         if diff else ""))
+        lines += _compute_lines(arm)
     return lines
+
+
+def _compute_lines(arm: dict[str, Any]) -> list[str]:
+    """An RL arm's compute (and a credit arm's difference from rloo), when recorded."""
+    c = arm.get("compute")
+    if not c:
+        return []
+    b = c["branches"]
+    out = [f"{'':9} compute: {c['collected_episodes']} episodes collected"
+           + (f" + {b['continuations']} branch continuations ({b['turns']} turns)"
+              if b["continuations"] else "")
+           + f", {c['trained_action_tokens']} action tokens trained, "
+           f"{fmt(c['seconds_total'])} s; credit {', '.join(c['estimators'])}"]
+    vs = arm.get("diff_vs_rloo")
+    if vs:
+        out.append(f"{'':9} vs rloo: {fmt(vs['estimate'])} [{fmt(vs['lo'])}, {fmt(vs['hi'])}]")
+    return out
 
 
 def report_lines(report_json: Path) -> list[str]:

@@ -31,6 +31,13 @@ from an environment; nothing outside the package knows its tasks, tools or verif
   (``EnvTaskSets.audit["overlap"]``, read by the ``heldout_overlap`` gate; the config's
   ``evaluation.dedup_rule_version`` must name it). ``None``: the package declares no overlap
   audit.
+  ``feature_codec``: a ``FeatureCodec`` turning observations into fixed-length 0/1 feature
+  vectors and macro-action indices into actions, for small non-LLM policies (the recurrent
+  actor-critic of docs/credit.md); ``potential(task_id, state_bytes) -> float``: the
+  environment's shaping potential Φ over its exported (true) state, hidden task data allowed,
+  for potential-based shaping (the terminal convention Φ = 0 is the shaping module's, not the
+  package's); ``task_strata(task_id) -> {name: label}``: labels an evaluation groups a task's
+  results by (key-and-door's exit colour), hidden task data allowed (never shown to a policy).
 
 The simple route: write a ``Rules`` (``opening(task_id, seed) -> Opening`` and
 ``apply(world, action) -> Outcome`` over a plain JSON world) and ``closedloop.envs.sim`` turns it
@@ -74,6 +81,37 @@ ForkProbe = Callable[[str], Action | str | None]
 """``task_id -> action``: a state-changing action for fork checks, ``None`` if there is none."""
 ScriptedFactory = Callable[[str, int, float], ScriptedPolicyLike]
 """``(task_id, seed, noise_rate) -> policy`` playing one episode."""
+Potential = Callable[[str, bytes], float]
+"""``(task_id, exported state bytes) -> Φ``: a shaping potential over the true state."""
+
+
+class FeatureCodec(Protocol):
+    """Observations as fixed-length 0/1 feature vectors, macro-actions by index.
+
+    ``features(observation)`` has ``n_features`` entries, each 0 or 1, and is a function of the
+    observation text alone (never of hidden state); ``action_mask(features)`` says which of
+    ``actions`` an observation with those features offers (``None`` when it does not say: all
+    are allowed), so a policy that reads only features can mask; ``action(index)`` is the
+    ``Action`` of ``actions[index]``. ``version`` names the codec (hashed into the manifest of a
+    policy that reads it).
+    """
+
+    version: str
+    actions: tuple[str, ...]
+    n_features: int
+
+    def features(self, observation: str) -> tuple[int, ...]:
+        """The 0/1 feature vector of one observation."""
+        ...
+
+    def action_mask(self, features: Sequence[int]) -> tuple[bool, ...] | None:
+        """Which actions an observation with ``features`` offers, or ``None`` when it does
+        not say."""
+        ...
+
+    def action(self, index: int) -> Action:
+        """The action ``actions[index]``."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -163,6 +201,9 @@ class EnvPackage:
     description: str = ""
     check_options: Callable[[Mapping[str, Any]], None] | None = None
     overlap_rule: str | None = None
+    feature_codec: FeatureCodec | None = None
+    potential: Potential | None = None
+    task_strata: Callable[[str], Mapping[str, str]] | None = None
 
     def __post_init__(self) -> None:
         where = f"environment package {self.env_id!r}"
@@ -174,7 +215,7 @@ class EnvPackage:
             if not callable(getattr(self, name)):
                 raise EnvPackageError(f"{where}: {name} must be callable")
         for name in ("action_sampler", "fork_probe", "fixtures", "retain_tasks",
-                     "check_options"):
+                     "check_options", "potential", "task_strata"):
             value = getattr(self, name)
             if value is not None and not callable(value):
                 raise EnvPackageError(f"{where}: {name} must be callable or None")

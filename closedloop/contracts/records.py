@@ -95,6 +95,13 @@ class TrajectoryRecord:
 
     ``reward`` is the verifier's named reward vector, or ``None`` when the episode is censored
     (truncation, timeout, infra abort, cancellation) or quarantined: unscored is never 0.
+
+    A branch (a continuation forked from turn ``branch_point_turn`` of another episode, branching
+    credit in docs/credit.md) records its parent's run (``parent_run_id``) and episode
+    (``parent_episode_id``) and the branch point's manifest (``branch_point``: the snapshot
+    reference, the context ids' hash and length, memory ref, behaviour version and sampler);
+    its turns before the branch point are the parent's, copied with ``action_mask`` 0 (this
+    episode did not sample them) and ``continuation_parent`` naming the parent episode.
     """
 
     run_id: str
@@ -124,6 +131,8 @@ class TrajectoryRecord:
     parent_run_id: str | None = None
     branch_point_turn: int | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    parent_episode_id: str | None = None
+    branch_point: dict[str, Any] | None = None
     record: Literal["trajectory"] = "trajectory"
 
     def __post_init__(self) -> None:
@@ -132,6 +141,10 @@ class TrajectoryRecord:
                              "have reward null, never a score")
         if self.quarantine_reason is not None and self.reward is not None:
             raise FieldError("reward", "a quarantined episode must have reward null")
+        branch = (self.parent_episode_id, self.branch_point_turn, self.branch_point)
+        if any(v is not None for v in branch) and any(v is None for v in branch):
+            raise FieldError("branch_point", "a branch records its parent episode, branch point "
+                             "turn and branch manifest together (or none of them)")
 
     @property
     def task_success(self) -> float | None:

@@ -20,10 +20,12 @@ its optimizer: ``step`` scores πθ (and π_ref) on the recorded token ids of on
 advantages, and takes its optimizer step(s), returning a :class:`StepResult`.
 
 Shape letters: B episodes, T token positions. ``advantages_B`` holds one advantage per episode,
-broadcast to its action tokens. ``mask_B_T`` is 1 on action tokens (aligned with the targets).
-``turn_ids_B_T`` is the turn index of each action token (needed by turn reducers, turn-level
-ratios and the turn clip fraction). Values of any input off the mask are ignored (NaN padding is
-fine) and get zero gradient; on the mask every log-prob and advantage must be finite
+broadcast to its action tokens, unless ``token_advantages_B_T`` gives each action token its own
+(turn-level credit: a turn's advantage on that turn's tokens, docs/credit.md). ``mask_B_T`` is 1
+on action tokens (aligned with the targets). ``turn_ids_B_T`` is the turn index of each action
+token (needed by turn reducers, turn-level ratios and the turn clip fraction). Values of any
+input off the mask are ignored (NaN padding is fine) and get zero gradient; on the mask every
+log-prob and advantage must be finite
 (``closedloop.learn.objectives.inputs.prepare`` validates a batch).
 
 At run time this module imports no torch: ``torch.Tensor`` appears in annotations only;
@@ -61,6 +63,9 @@ class ObjectiveInputs:
     ``reward_kl_spec`` names a KL applied in the reward instead (monitoring only here).
     ``length_band_edges`` (e0, e1) split episodes by action-token count for the gradient-mass
     shares: short T_i <= e0, medium e0 < T_i <= e1, long T_i > e1.
+    ``token_advantages_B_T``: per-token advantages aligned with the mask; when given they
+    replace the broadcast of ``advantages_B`` (which is then only reported), and must be finite
+    on the mask.
     ``proximal_logprobs_B_T``: log π_prox when it is not π_beh (the decoupled objective: the
     trainer's weights as the step started); a ratio objective then clips πθ/π_prox and weighs
     each token by w = π_prox/π_beh, capped at ``behavior_weight_cap`` (None: uncapped).
@@ -79,6 +84,7 @@ class ObjectiveInputs:
     reward_kl_spec: KLSpec | None = None
     length_band_edges: tuple[int, int] = (64, 256)
     weights_B_T: torch.Tensor | None = None
+    token_advantages_B_T: torch.Tensor | None = None
     proximal_logprobs_B_T: torch.Tensor | None = None
     behavior_weight_cap: float | None = None
 
@@ -221,6 +227,9 @@ class PolicyUpdater(Protocol):
         ...
 
     def step(self, batch: TrainingBatch, advantages_B: torch.Tensor,
-             success_B: torch.Tensor | None = None) -> StepResult:
-        """The optimizer step(s) on one fresh batch; ``success_B`` labels the gradient mass."""
+             success_B: torch.Tensor | None = None,
+             token_advantages_B_T: torch.Tensor | None = None) -> StepResult:
+        """The optimizer step(s) on one fresh batch; ``success_B`` labels the gradient mass;
+        ``token_advantages_B_T`` (pre-shift, aligned with ``batch.token_ids_B_T``) replaces
+        the per-episode broadcast when given."""
         ...

@@ -226,7 +226,8 @@ def _steps(run: RunDir) -> list[dict[str, Any]]:
         scores = [ep.trajectory.task_success for ep in trace.episodes
                   if ep.trajectory.task_success is not None]
         rows.append({
-            "step": trace.step, "groups": m.get("groups"), "admitted": m.get("admitted"),
+            "step": trace.step, "estimator": (m.get("credit") or {}).get("estimator"),
+            "groups": m.get("groups"), "admitted": m.get("admitted"),
             "zero_variance": m.get("zero_variance"),
             "train_success": sum(scores) / len(scores) if scores else None,
             "scored_episodes": len(scores), "episodes": len(trace.episodes),

@@ -90,13 +90,15 @@ def _training_html(report: Mapping[str, Any]) -> str:
     series = {k: [s[k] for s in steps] for k in ("losses/kl", "optim/grad_norm",
                                                  "losses/entropy", "ratio/ratio_p95",
                                                  "ratio/ratio_max", "train_success")}
-    rows = [[s["step"], s["groups"], s["admitted"], s["zero_variance"], s["train_success"],
-             s["losses/kl"], s["optim/grad_norm"], s["losses/entropy"], s["ratio/ratio_p50"],
-             s["ratio/ratio_p99"], s["ratio/ratio_max"]] for s in steps]
+    rows = [[s["step"], s["estimator"], s["groups"], s["admitted"], s["zero_variance"],
+             s["train_success"], s["losses/kl"], s["optim/grad_norm"], s["losses/entropy"],
+             s["ratio/ratio_p50"], s["ratio/ratio_p99"], s["ratio/ratio_max"]] for s in steps]
     return (f"<p>Zero-advantage groups: {z['zero_variance']} of {z['admitted_groups']} "
-            f"admitted groups (rate {_fmt(z['rate'])}).</p>"
-            + _table(["step", "groups", "admitted", "zero-var", "train success", "KL",
-                      "grad norm", "entropy", "ratio p50", "ratio p99", "ratio max"], rows)
+            f"admitted groups (rate {_fmt(z['rate'])}). Each update's credit estimator is its "
+            "step's <code>credit.estimator</code> record.</p>"
+            + _table(["step", "credit", "groups", "admitted", "zero-var", "train success", "KL",
+                      "grad norm", "entropy", "ratio p50", "ratio p99", "ratio max"], rows,
+                     "steps")
             + _img(plot_training([s["step"] for s in steps], series), "training diagnostics")
             + "<h3>Gradient mass</h3>"
             + _img(plot_grad_mass(tr["gradient_mass_share"]), "gradient mass")

@@ -7,8 +7,11 @@
     sft_only   supervised steps on fresh demonstrations, trained action tokens matched to rloo
 
 Every arm starts from the same warm start (its adapter is copied, not retrained) and is
-evaluated on the same held-out tasks with the same seeds and the same scaffold. Each arm's
-success is reported with its paired difference from ``frozen`` (bootstrap over tasks). The
+evaluated on the same held-out tasks with the same seeds and the same scaffold. With
+``credit.experiment_arm`` an optional fifth arm trains with that credit estimator
+(``closedloop.experiments.credit_arm``); every trained RL arm's entry reports its compute.
+Each arm's success is reported with its paired difference from ``frozen`` (bootstrap over
+tasks). The
 experiment directory holds ``experiment.json`` and one run directory per arm under ``arms/``.
 """
 
@@ -27,6 +30,7 @@ from closedloop.engine import PrecisionChoice
 from closedloop.errors import RunStateError
 from closedloop.evaluate.heldout import EvalSummary, summarize_eval
 from closedloop.evaluate.stats import paired_bootstrap_ci
+from closedloop.experiments.credit_arm import OPTIONAL_ARMS, arm_compute, credit_arm_config
 from closedloop.learn.null_control import RewardControl
 from closedloop.policy.registry import atomic_write_bytes, version_name
 from closedloop.progress import log, phase, phase_times, reset_phases
@@ -193,6 +197,15 @@ def run_experiment(cfg: RunConfig, exp_dir: str | Path,
                       precision=precision)
         elif name in SUITE_ARMS:
             _final_suites(arm_cfg, arms[name], config_override)
+    if cfg.credit.experiment_arm != "none":  # the optional credit arm (credit_arm.py)
+        name = cfg.credit.experiment_arm
+        arms[name] = root / "arms" / name
+        if not (arms[name] / "summary.json").is_file():
+            _copy_cold_start(arms["frozen"], arms[name])
+            log(f"experiment: arm {name} (credit.estimator {name})")
+            with phase(f"arm {name}"):
+                train(credit_arm_config(cfg), arms[name], config_override,
+                      final_other_suites=False, final_retain=False, precision=precision)
     tokens = _trained_tokens(arms["rloo"])
     _copy_cold_start(arms["frozen"], arms["sft_only"])
     log(f"experiment: arm sft_only, matched to {tokens} RL action tokens")
@@ -224,6 +237,21 @@ def _arm_entry(summary: EvalSummary, base: dict[str, float] | None, cfg: RunConf
     return entry
 
 
+def _compute_and_credit_arm(cfg: RunConfig, arms: dict[str, Path],
+                            entries: dict[str, dict[str, Any]]) -> None:
+    """Each trained RL arm's compute (``credit_arm.arm_compute``); the optional credit arm's
+    paired difference from the rloo arm (``diff_vs_rloo``), beside its difference from frozen."""
+    for name in ("rloo", "shuffled", *OPTIONAL_ARMS):
+        if name in entries:
+            entries[name]["compute"] = arm_compute(arms[name], cfg.rollout.group_size)
+    for name in OPTIONAL_ARMS:
+        if name in entries:
+            diff = paired_diff(entries[name]["per_task"], entries["rloo"]["per_task"],
+                               cfg.training.seed)
+            if diff is not None:
+                entries[name]["diff_vs_rloo"] = diff
+
+
 def paired_diff(treated: dict[str, float], base: dict[str, float],
                 seed: int) -> dict[str, Any] | None:
     """Per-task ``treated − base`` over the tasks scored in both, with its paired bootstrap
@@ -250,12 +278,15 @@ def summarize_experiment(cfg: RunConfig, arms: dict[str, Path], tokens: int) -> 
     for suite in _suites(cfg):
         frozen = _eval_of(arms["frozen"], "start", cfg, suite)
         base = frozen.per_task_success()
-        names = ARMS if suite == "heldout" else SUITE_ARMS
+        names = ARMS + tuple(a for a in OPTIONAL_ARMS if a in arms) if suite == "heldout" \
+            else SUITE_ARMS
         entries = {name: _arm_entry(frozen if name == "frozen"
                                     else _eval_of(arms[name], "final", cfg, suite),
                                     None if name == "frozen" else base, cfg, arms[name])
                    for name in names}
         out["suites"][suite] = {"tasks": len(base), "arms": entries}
+        if suite == "heldout":
+            _compute_and_credit_arm(cfg, arms, entries)
     out["arms"] = out["suites"]["heldout"]["arms"]
     out["heldout_tasks"] = out["suites"]["heldout"]["tasks"]
     return out

@@ -116,8 +116,12 @@ class Trainer:
         self.step_count = 0
 
     def step(self, batch: TrainingBatch, advantages_B: torch.Tensor,
-             success_B: torch.Tensor | None = None) -> StepResult:
+             success_B: torch.Tensor | None = None,
+             token_advantages_B_T: torch.Tensor | None = None) -> StepResult:
         """``optimizer_steps_per_batch`` optimizer steps on one fresh batch.
+
+        ``token_advantages_B_T`` (pre-shift, aligned with ``batch.token_ids_B_T``): per-token
+        advantages (turn-level credit) that replace the broadcast of ``advantages_B``.
 
         Each pass re-scores πθ on the same tokens (so from the second pass on the ratio to the
         recorded π_beh moves away from 1), backpropagates, clips the gradient norm and steps;
@@ -131,7 +135,8 @@ class Trainer:
         n_act = n_tok = 0
         for _ in range(self.config.optimizer_steps_per_batch):
             metrics, n_act, n_tok = self._accumulate_gradients(batch, advantages_B, success_B,
-                                                               refs, proxs)
+                                                               token_advantages_B_T, refs,
+                                                               proxs)
             params = [p for p in self.model.parameters() if p.requires_grad]
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm))
             if not math.isfinite(grad_norm):
@@ -164,6 +169,7 @@ class Trainer:
 
     def _accumulate_gradients(self, batch: TrainingBatch, advantages_B: torch.Tensor,
                               success_B: torch.Tensor | None = None,
+                              token_advantages_B_T: torch.Tensor | None = None,
                               ref_cache: dict[int, torch.Tensor] | None = None,
                               prox_cache: dict[int, torch.Tensor] | None = None
                               ) -> tuple[Metrics, int, int]:
@@ -176,24 +182,32 @@ class Trainer:
         """
         cfg = self.config
         shifted = shift_targets(batch)
+        token_adv = None
+        if token_advantages_B_T is not None:
+            if token_advantages_B_T.shape != batch.token_ids_B_T.shape:
+                raise LearnError(f"token_advantages_B_T shape {tuple(token_advantages_B_T.shape)}"
+                                 f" != batch shape {tuple(batch.token_ids_B_T.shape)}")
+            token_adv = token_advantages_B_T[:, 1:]
         full_w = reducer_weights(cfg.reducer, shifted.mask_B_T, shifted.turn_ids_B_T)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         outputs: list[tuple[ObjectiveOutput, int]] = []
         with matmul_precision(self.model, cfg.precision):
             for rows in _chunks(batch.token_ids_B_T.shape[0], cfg.micro_batch_size):
-                out = self._micro_step(batch, shifted, rows, advantages_B, success_B, full_w,
-                                       {} if ref_cache is None else ref_cache,
+                out = self._micro_step(batch, shifted, rows, (advantages_B, token_adv),
+                                       success_B, full_w, {} if ref_cache is None else ref_cache,
                                        {} if prox_cache is None else prox_cache)
                 outputs.append((out, len(rows)))
         n_act = int(shifted.mask_B_T.sum())
         return _merge_metrics(outputs), n_act, int(batch.attention_mask_B_T.sum())
 
     def _micro_step(self, batch: TrainingBatch, shifted: ShiftedTargets, rows: list[int],
-                    advantages_B: torch.Tensor, success_B: torch.Tensor | None,
+                    advantages: tuple[torch.Tensor, torch.Tensor | None],
+                    success_B: torch.Tensor | None,
                     full_w: torch.Tensor, ref_cache: dict[int, torch.Tensor],
                     prox_cache: dict[int, torch.Tensor]) -> ObjectiveOutput:
         cfg = self.config
+        advantages_B, token_adv = advantages
         idx = torch.tensor(rows)
         length = int(batch.attention_mask_B_T[idx].sum(dim=1).max())
         ids = batch.token_ids_B_T[idx, :length]
@@ -215,7 +229,8 @@ class Trainer:
             success_B=None if success_B is None else success_B[idx],
             ref_logprobs_B_T=ref, reducer=cfg.reducer, kl_spec=kl_spec_of(cfg),
             weights_B_T=full_w[idx, : length - 1], proximal_logprobs_B_T=prox,
-            behavior_weight_cap=cfg.behavior_weight_cap if prox is not None else None))
+            behavior_weight_cap=cfg.behavior_weight_cap if prox is not None else None,
+            token_advantages_B_T=None if token_adv is None else token_adv[idx, : length - 1]))
         out.loss.backward()
         return out
 

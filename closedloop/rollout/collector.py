@@ -57,7 +57,13 @@ from closedloop.errors import (
 )
 from closedloop.rollout.segments import PausedEpisode, Segment, SegmentStore
 from closedloop.rollout.source import ActionSample, ActionSource
-from closedloop.rollout.verifier_step import CollectedGroup, Rollout, RolloutGroup, VerifierStep
+from closedloop.rollout.verifier_step import (
+    BranchOrigin,
+    CollectedGroup,
+    Rollout,
+    RolloutGroup,
+    VerifierStep,
+)
 
 INFRA_FAILURES: tuple[type[Exception], ...] = (InfrastructureError, TimeoutError)
 """The exceptions the collector records as ``infra_abort``; every other one propagates."""
@@ -129,6 +135,7 @@ class _Live:
     parent_segment: str | None = None  # the segment this one continues
     segment_start: int = 0  # the first turn of the current segment
     clock_start: float = field(default_factory=time.perf_counter)
+    branch: BranchOrigin | None = None
 
 
 def _safe_hash(env: AgentEnv) -> str:
@@ -454,7 +461,8 @@ class Collector:
             task_family=ep.family, split=ep.split, env_version=ep.env.env_version,
             manifest=first, turns=tuple(ep.turns), termination=termination,
             final_state=final_state, final_state_hash=final_hash, started_at=ep.started_at,
-            finished_at=_now(), timings=dict(ep.timings), mixed_policy=mixed)
+            finished_at=_now(), timings=dict(ep.timings), mixed_policy=mixed,
+            branch=ep.branch)
 
 
 def _parse(text: str) -> tuple[ActionKindOrInvalid, str | None, dict[str, Any] | None,

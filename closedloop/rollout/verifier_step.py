@@ -7,7 +7,8 @@ sees only that exported state (never the agent, the live environment or the mode
 each terminal episode with the task's verifier, and writes the episode's
 ``TrajectoryRecord`` with the reward vector (or the quarantine reason). Censored episodes
 (truncation, timeout, infrastructure abort, cancellation) are not scored: their reward is
-``None``, never 0.
+``None``, never 0. A branch's rollout carries its ``BranchOrigin``, which its trajectory
+record keeps (branching credit, docs/credit.md).
 
     rollouts (generator)  ->  VerifierStep.score(groups)  ->  scored groups (admission)
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from closedloop.contracts import (
     Episode,
@@ -31,7 +33,25 @@ from closedloop.contracts import (
     TurnRecord,
 )
 
-__all__ = ["CollectedGroup", "Rollout", "RolloutGroup", "VerifierStep", "score_groups"]
+__all__ = ["BranchOrigin", "CollectedGroup", "Rollout", "RolloutGroup", "VerifierStep",
+           "score_groups"]
+
+
+@dataclass(frozen=True)
+class BranchOrigin:
+    """Where a branch episode comes from: its parent's run and episode, the branch point turn
+    and the branch point's manifest (``closedloop.rollout.prefix.AgentPrefix.manifest``)."""
+
+    parent_run_id: str
+    parent_episode_id: str
+    turn: int
+    manifest: dict[str, Any]
+
+    def trajectory_fields(self) -> dict[str, Any]:
+        """The ``TrajectoryRecord`` fields a branch records."""
+        return {"parent_run_id": self.parent_run_id,
+                "parent_episode_id": self.parent_episode_id, "branch_point_turn": self.turn,
+                "branch_point": dict(self.manifest)}
 
 
 @dataclass(frozen=True)
@@ -60,6 +80,7 @@ class Rollout:
     finished_at: str
     timings: dict[str, float] = field(default_factory=dict)
     mixed_policy: bool = False
+    branch: BranchOrigin | None = None
 
 
 @dataclass(frozen=True)
@@ -117,7 +138,8 @@ class VerifierStep:
             termination=rollout.termination, reward=reward, verifier_version=verifier_version,
             final_state_hash=rollout.final_state_hash or "none", quarantine_reason=quarantine,
             mixed_policy=rollout.mixed_policy, rollout_started_at=rollout.started_at,
-            rollout_finished_at=rollout.finished_at, timings=timings)
+            rollout_finished_at=rollout.finished_at, timings=timings,
+            **(rollout.branch.trajectory_fields() if rollout.branch else {}))
         if self.writer is not None:
             self.writer.write(traj)
         return Episode(traj, rollout.turns)

@@ -20,6 +20,7 @@ from closedloop.progress import log
 from closedloop.rollout.task_sampler import DifficultyBandSampler
 from closedloop.rollout.verifier_step import CollectedGroup
 from closedloop.rollout.work_orders import WorkOrder
+from closedloop.training.gae_step import load_critic, save_critic
 from closedloop.training.integrity import prove_state
 from closedloop.training.run import Run, publish
 
@@ -36,6 +37,7 @@ def checkpoint(run: Run, step: int, version: str) -> None:
     pending = [o.to_dict() for r, o in sorted(state.orders.items()) if r >= step]
     if pending:
         extra["work_orders"] = pending
+    save_critic(run, step)  # the GAE critic beside this checkpoint, written before it commits
     trainer.checkpoint(run.dir / "checkpoints", step, version, sorted(state.consumed),
                        capture_rng_states({"generator": worker.rng}), extra)
 
@@ -69,6 +71,7 @@ def resume(run: Run) -> bool:
         checkpoint(run, 0, version_name(0))
         return False
     trainer.restore(ckpt)
+    load_critic(run, ckpt.step)
     restore_rng_states(ckpt.rng_states, {"generator": worker.rng}
                        if "generator" in ckpt.rng_states.get("generators", {}) else None)
     if "task_sampler" in ckpt.extra:

@@ -10,7 +10,8 @@ trainer side (``train_step``)::
 
     taken    = queue.take(round, u): every group decided at the trainer's version u (complete,
                one behaviour version, u - v <= max_version_lag, drift, censoring) -> ledger
-    batch    = credit (group-relative advantages; the shuffled-reward null control)
+    batch    = credit by credit.estimator (group-relative advantages, the shuffled-reward null
+               control; branching; turn-level GAE): ``credit_for_step``
     result   = trainer: no token older than the bound (StaleTokenError), loss -> one optimizer
                step (or the objective's declared number)
     commit   = sampler update, next order drawn, trainer checkpoint (the commit point), ledger
@@ -24,11 +25,12 @@ record, with the three policies and their versions).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -50,7 +52,8 @@ from closedloop.training.in_flight import in_flight_notes, roll_with_boundary
 from closedloop.training.resume import commit_step
 from closedloop.training.run import Run
 
-__all__ = ["CreditBatch", "StepReport", "assign_credit", "collect_round", "draw_order",
+__all__ = ["CreditBatch", "StepReport", "assign_credit", "collect_round", "credit_for_step",
+           "draw_order",
            "produce_round", "require_within_lag", "rl_step", "train_step"]
 
 
@@ -73,12 +76,19 @@ class StepReport:
 @dataclass(frozen=True)
 class CreditBatch:
     """What the trainer consumes: per group its credit, and the episodes that carry a
-    gradient with their advantage and success flag (aligned)."""
+    gradient with their advantage and success flag (aligned). ``estimator`` names what made
+    it; ``turn_advantages`` (turn-level credit) gives each episode one advantage per recorded
+    turn, painted onto that turn's tokens in place of the episode's; ``record`` and
+    ``seconds`` are the estimator's own figures for the step's metrics."""
 
     credits: tuple[GroupCredit, ...]
     episodes: tuple[Episode, ...]
     advantages: tuple[float, ...]
     success: tuple[bool, ...]
+    estimator: str = "rloo"
+    turn_advantages: tuple[tuple[float, ...], ...] | None = None
+    record: dict[str, Any] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
 
 
 # ----------------------------------------------------------------------------- generator side
@@ -168,7 +178,27 @@ def assign_credit(groups: Sequence[CollectedGroup], credit: CreditSection) -> Cr
             episodes.append(g.episodes[i])
             adv.append(float(a[pos]))
             success.append(bool((rewards[i] or 0) >= 1.0))
-    return CreditBatch(tuple(credits), tuple(episodes), tuple(adv), tuple(success))
+    return CreditBatch(tuple(credits), tuple(episodes), tuple(adv), tuple(success),
+                       estimator=credit.estimator)
+
+
+def credit_for_step(run: Run, step: int, groups: Sequence[CollectedGroup]) -> CreditBatch:
+    """The step's credit by ``credit.estimator`` (docs/credit.md): a group-relative estimator
+    (``assign_credit``); ``branching`` (RLOO over the siblings plus the branches forked at
+    their branch points, ``closedloop.training.branch_step``); ``gae`` (turn advantages from
+    the critic over the policy's hidden states, ``closedloop.training.gae_step``)."""
+    credit = run.cfg.credit
+    if credit.estimator == "branching":
+        from closedloop.training.branch_step import branching_batch
+
+        rloo = assign_credit(groups, dataclasses.replace(credit, estimator="rloo"))
+        return branching_batch(run, step, groups, rloo)
+    if credit.estimator == "gae":
+        from closedloop.training.gae_step import gae_batch
+
+        return gae_batch(run, groups, assign_credit(groups, dataclasses.replace(
+            credit, estimator="rloo")))
+    return assign_credit(groups, credit)
 
 
 def relabelled_members(groups: Sequence[CollectedGroup], credit: CreditSection) -> int:
@@ -253,7 +283,8 @@ def train_step(run: Run, queue: AdmissionQueue, step: int, *, publish_inline: bo
     require_scored((ep.trajectory for g in taken.groups for ep in g.episodes),
                    f"RL step {step}", cfg.credit.censor_rule, unscorable_budgets(cfg))
     t2 = time.perf_counter()
-    batch = assign_credit(taken.admitted, cfg.credit)
+    batch = credit_for_step(run, step, taken.admitted)  # dispatched by credit.estimator
+    times.update(batch.seconds)
     summary = summarize_credit(batch.credits)
     token_lags = require_within_lag(batch.episodes, step, cfg.rollout.max_version_lag)
     metrics: dict[str, Any] = {}
@@ -263,9 +294,9 @@ def train_step(run: Run, queue: AdmissionQueue, step: int, *, publish_inline: bo
         if cfg.rollout.mode == "async" and cfg.rollout.max_version_lag == 0:
             extra["async_equivalence"] = async_equivalence(run, step, batch)
         result = trainer.update(batch.episodes, batch.advantages, batch.success,
-                                run.policy.pad_id)
+                                run.policy.pad_id, batch.turn_advantages)
         metrics = dict(result.metrics)
-    times["update_s"] = time.perf_counter() - t2
+    times["update_s"] = time.perf_counter() - t2 - sum(batch.seconds.values())
     t3 = time.perf_counter()
     update_sampler(run, taken.groups)
     nxt = step + cfg.rollout.max_version_lag + 1
@@ -284,7 +315,8 @@ def train_step(run: Run, queue: AdmissionQueue, step: int, *, publish_inline: bo
         mean_success=sum(scores) / len(scores) if scores else None,
         metrics=metrics, seconds=times)
     run.log_metrics("rl_step", {**report.__dict__, "credit": {
-        "n_groups": summary.n_groups, "n_scored_groups": summary.n_scored_groups,
+        **batch.record, "estimator": batch.estimator, "n_groups": summary.n_groups,
+        "n_scored_groups": summary.n_scored_groups,
         "zero_variance_rate": summary.zero_variance_rate,
         "discard_reasons": dict(summary.discard_reasons),
         "relabelled_members": relabelled_members(taken.admitted, cfg.credit)},

@@ -117,7 +117,8 @@ class LoopState:
 @dataclass
 class Run:
     """One open run (module doc). ``trainer``, ``worker`` and ``publisher`` are set by
-    ``attach_roles`` (after the warm start)."""
+    ``attach_roles`` (after the warm start); ``credit_state`` holds what a credit estimator
+    keeps across steps (the GAE critic, ``closedloop.training.gae_step``)."""
 
     ctx: RunContext
     policy: PolicyStack
@@ -127,6 +128,7 @@ class Run:
     worker: RolloutWorker | None = None
     publisher: Publisher | None = None
     probe: Probe | None = None
+    credit_state: dict[str, Any] = field(default_factory=dict)
 
     @property
     def cfg(self) -> RunConfig:

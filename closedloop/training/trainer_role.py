@@ -20,6 +20,7 @@ from closedloop.contracts.update import StepResult
 from closedloop.errors import CheckpointError
 from closedloop.learn.checkpoint import Checkpoint, save_checkpoint
 from closedloop.learn.trainer import Trainer, TrainerConfig
+from closedloop.learn.turn_credit import broadcast_turn_values, turn_table
 from closedloop.policy import attach_lora
 from closedloop.policy.lora import PolicyChecksum, PolicyChecksummer, split_state_dict
 from closedloop.rollout.tensors import build_training_batch
@@ -70,12 +71,18 @@ class TrainerRole:
         return adapter_state(self.model)
 
     def update(self, episodes: Sequence[Any], advantages: Sequence[float],
-               success: Sequence[bool], pad_id: int) -> StepResult:
+               success: Sequence[bool], pad_id: int,
+               turn_advantages: Sequence[Sequence[float]] | None = None) -> StepResult:
         """Teacher-force the episodes' recorded ids and take the configured optimizer step(s)
-        on them (``Trainer.step``)."""
+        on them (``Trainer.step``). ``turn_advantages`` (one per recorded turn of each
+        episode): each turn's advantage on its own action tokens, in place of the episode's."""
         batch = build_training_batch(list(episodes), pad_id=pad_id)
+        token_adv = None
+        if turn_advantages is not None:
+            token_adv = broadcast_turn_values(turn_table(turn_advantages), batch.turn_ids_B_T,
+                                              batch.action_mask_B_T)
         return self.trainer.step(batch, torch.tensor(list(advantages)),
-                                 torch.tensor(list(success)))
+                                 torch.tensor(list(success)), token_advantages_B_T=token_adv)
 
     def gradient(self, episodes: Sequence[Any], advantages: Sequence[float],
                  success: Sequence[bool], pad_id: int) -> tuple[float, torch.Tensor]:

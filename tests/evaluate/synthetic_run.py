@@ -238,7 +238,8 @@ def build_run(root: Path, spec: Spec = Spec()) -> Path:
                 "admitted": len(admitted), "zero_variance": zero, "discarded": n - len(admitted),
                 "mean_success": sum(x or 0 for x in scores) / len(scores), "metrics": step_metrics,
                 "seconds": {"collect_s": 0.5, "update_s": 0.2}, "time": 10.0 + s,
-                "credit": {"n_groups": n, "n_scored_groups": len(admitted),
+                "credit": {"estimator": cfg.credit.estimator,
+                           "n_groups": n, "n_scored_groups": len(admitted),
                            "zero_variance_rate": zero / max(1, len(admitted))}})
     final = reg.manifest(version_name(spec.steps))
     metrics.append(_eval(root, "final", final, heldout, spec, spec.succeed_final))

@@ -55,6 +55,8 @@ def test_heldout_numbers_are_what_the_traces_say(report: dict[str, Any]) -> None
 def test_training_diagnostics(report: dict[str, Any]) -> None:
     tr = report["training"]
     assert [s["step"] for s in tr["steps"]] == [0, 1]
+    assert [s["estimator"] for s in tr["steps"]] == ["rloo", "rloo"]  # which one made each update
+    assert "<td>rloo</td>" in render_html(report)
     # every step group has one success (sibling 0) and one failure: no zero-advantage group
     assert tr["zero_advantage_groups"] == {"zero_variance": 0, "admitted_groups": 4, "rate": 0.0}
     assert all(s["train_success"] == 0.5 for s in tr["steps"])

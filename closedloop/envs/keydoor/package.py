@@ -7,7 +7,8 @@ included), the same with stray arguments, and unknown names; the fork probe is `
 (``closedloop.envs.keydoor.expert``). Fixtures per task: the expert's episode (positive), a
 swap-then-correct episode (positive), the wrong door, finishing without a door, the right door
 then ``abstain`` (negatives), and an edited clue (tamper); by default on the first three tasks
-of each target colour of each template.
+of each target colour of each template. For small non-LLM policies: the feature codec and the
+shaping potential (``closedloop.envs.keydoor.agent_io``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 from closedloop.contracts import Action
 from closedloop.contracts.fixture import AdjudicatedFixture
 from closedloop.contracts.package import EnvPackage
+from closedloop.envs.keydoor.agent_io import KeyDoorCodec, potential, strata
 from closedloop.envs.keydoor.expert import KeyDoorExpert
 from closedloop.envs.keydoor.rules import ACTIONS, KeyDoorRules
 from closedloop.envs.keydoor.tasks import CATALOG
@@ -134,5 +136,5 @@ def keydoor_package() -> EnvPackage:
         tool_schemas=TOOL_SCHEMAS, system_prompt=SYSTEM_PROMPT, action_sampler=sample_action,
         fork_probe=fork_probe,
         scripted=expert_and_noisy(lambda task_id, seed, rate: KeyDoorExpert(seed, rate)),
-        fixtures=fixtures,
+        fixtures=fixtures, feature_codec=KeyDoorCodec(), potential=potential, task_strata=strata,
         description="Key-and-door: a hidden exit colour, macro-actions, phase masks.")

@@ -12,7 +12,8 @@
   public world data (a clue the model has not yet been shown) nor the hidden data.
 
 Everything environment-specific (rules, verifier, scaffold, sampler, probe, scripted policies,
-fixtures) is passed in; ``closedloop.envs.sim.simple.rules_package`` derives most of it.
+fixtures, and optionally a feature codec, a shaping potential and evaluation strata) is passed
+in; ``closedloop.envs.sim.simple.rules_package`` derives most of it.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from closedloop.contracts.package import (
     ActionSampler,
     EnvPackage,
     EnvTaskSets,
+    FeatureCodec,
     ForkProbe,
+    Potential,
     Rules,
     ScriptedFactory,
     TaskInfo,
@@ -77,7 +80,9 @@ def sim_package(*, env_id: str, rules: Callable[[], Rules], catalog: TaskCatalog
                 system_prompt: str, action_sampler: ActionSampler, fork_probe: ForkProbe | None,
                 scripted: Mapping[str, ScriptedFactory],
                 fixtures: Callable[[tuple[str, ...] | None], Sequence[Any]] | None,
-                description: str) -> EnvPackage:
+                description: str, feature_codec: FeatureCodec | None = None,
+                potential: Potential | None = None,
+                task_strata: Callable[[str], Mapping[str, str]] | None = None) -> EnvPackage:
     """The ``EnvPackage`` of one simulated environment (see the module docstring)."""
     env_version = rules().env_version
     return EnvPackage(
@@ -86,4 +91,5 @@ def sim_package(*, env_id: str, rules: Callable[[], Rules], catalog: TaskCatalog
         task_info=lambda task_id: catalog_task_info(catalog, task_id),
         make_verifier=make_verifier, tool_schemas=tool_schemas, system_prompt=system_prompt,
         action_sampler=action_sampler, fork_probe=fork_probe, scripted=scripted,
-        fixtures=fixtures, description=description)
+        fixtures=fixtures, description=description, feature_codec=feature_codec,
+        potential=potential, task_strata=task_strata)

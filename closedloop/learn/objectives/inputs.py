@@ -19,7 +19,8 @@ __all__ = ["NonFiniteLogprobError", "PreparedBatch", "prepare"]
 @dataclass(frozen=True)
 class PreparedBatch:
     """Validated inputs, zero off the mask (``on``), in ``new``'s dtype; ``weights`` are the
-    reducer's per-token weights (the caller's precomputed ones when given)."""
+    reducer's per-token weights (the caller's precomputed ones when given); ``adv_B_T`` the
+    per-token advantages (the inputs' own, or ``adv_B`` broadcast), zero off the mask."""
 
     new: torch.Tensor
     beh: torch.Tensor
@@ -30,6 +31,7 @@ class PreparedBatch:
     success_B: torch.Tensor | None
     entropy: torch.Tensor | None
     weights: torch.Tensor
+    adv_B_T: torch.Tensor
     prox: torch.Tensor | None = None
 
 
@@ -73,17 +75,24 @@ def prepare(inputs: ObjectiveInputs) -> PreparedBatch:
     if inputs.turn_ids_B_T is not None:
         turn_slot_ids(mask, inputs.turn_ids_B_T)  # validates shape, dtype and sign
     ref, ent = inputs.ref_logprobs_B_T, inputs.entropy_B_T
+    adv_B = inputs.advantages_B.detach().to(new.dtype)
+    if inputs.token_advantages_B_T is None:
+        adv_B_T = torch.where(on, adv_B[:, None].expand(mask.shape), 0.0)
+    else:
+        adv_B_T = _on_mask(inputs.token_advantages_B_T.detach().to(new.dtype), on,
+                           "token_advantages_B_T")
     return PreparedBatch(
         new=_on_mask(new, on, "new_logprobs_B_T"),
         beh=_on_mask(inputs.behavior_logprobs_B_T.detach().to(new.dtype), on,
                      "behavior_logprobs_B_T"),
         ref=None if ref is None else _on_mask(ref.detach().to(new.dtype), on, "ref_logprobs_B_T"),
-        adv_B=inputs.advantages_B.detach().to(new.dtype),
+        adv_B=adv_B,
         on=on,
         turn_ids=inputs.turn_ids_B_T,
         success_B=inputs.success_B,
         entropy=None if ent is None else _on_mask(ent.detach(), on, "entropy_B_T"),
         weights=_weights(inputs, on, new.dtype),
+        adv_B_T=adv_B_T,
         prox=None if inputs.proximal_logprobs_B_T is None else _on_mask(
             inputs.proximal_logprobs_B_T.detach().to(new.dtype), on, "proximal_logprobs_B_T"),
     )

@@ -1,5 +1,6 @@
 """The policy-gradient surrogates (docs/concepts.md, three-policy contract): REINFORCE + KL,
-token-level PPO clip, and the length-normalized ratio clip. Each takes one
+token-level PPO clip, and the length-normalized ratio clip. A_it below is the token's advantage:
+the episode's A_i broadcast, or the inputs' per-token advantages (turn-level credit). Each takes one
 :class:`~closedloop.contracts.update.ObjectiveInputs` (plus its own hyperparameters) and
 returns one :class:`~closedloop.contracts.update.ObjectiveOutput`.
 
@@ -53,7 +54,7 @@ class ClipRange:
 
 
 def reinforce_with_kl(inputs: ObjectiveInputs) -> ObjectiveOutput:
-    """REINFORCE (+ KL): L = R_w(-A_i · log πθ(a_it)) + β · R_w(k(a_it)).
+    """REINFORCE (+ KL): L = R_w(-A_it · log πθ(a_it)) + β · R_w(k(a_it)).
 
     With ``reducer="episode_sum"`` the policy term is the strict synchronous baseline
     L_pg = -(1/B) Σ_i A_i Σ_{t∈M_i} log πθ(a_it): the score-function estimate for expected
@@ -66,7 +67,7 @@ def reinforce_with_kl(inputs: ObjectiveInputs) -> ObjectiveOutput:
     KL enters the loss when ``kl_spec`` (placement "loss") has β > 0. Clip fractions are None.
     """
     batch = prepare(inputs)
-    adv_B_T = batch.adv_B[:, None].expand_as(batch.weights)
+    adv_B_T = batch.adv_B_T
     pg_loss = (batch.weights * (-adv_B_T * batch.new)).sum()
     return finish("reinforce_with_kl", inputs, batch, pg_loss, -batch.weights * adv_B_T, None)
 
@@ -82,7 +83,7 @@ def _clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, clip: ClipRange
 
 
 def ppo_clip(inputs: ObjectiveInputs, clip: ClipRange | None = None) -> ObjectiveOutput:
-    """Token-level PPO clip: ℓ_it = -min(ρ_it A_i, clip(ρ_it, 1-ε, 1+ε_high) A_i), reduced by R_w.
+    """Token-level PPO clip: ℓ_it = -min(ρ_it A_it, clip(ρ_it, 1-ε, 1+ε_high) A_it), reduced by R_w.
 
     At ρ = 1 the gradient equals REINFORCE's. A token is *clipped* when the clip binds, i.e. its
     gradient is zeroed: (A > 0 and ρ > 1+ε_high) or (A < 0 and ρ < 1-ε); A = 0 tokens are never
@@ -92,7 +93,7 @@ def ppo_clip(inputs: ObjectiveInputs, clip: ClipRange | None = None) -> Objectiv
     """
     clip = clip or ClipRange()
     batch = prepare(inputs)
-    adv_B_T = batch.adv_B[:, None].expand_as(batch.weights)
+    adv_B_T = batch.adv_B_T
     weights = batch.weights * off_policy_weights(batch, inputs.behavior_weight_cap)
     ratio = torch.exp(batch.new - (batch.beh if batch.prox is None else batch.prox))
     surrogate, binding = _clipped_surrogate(ratio, adv_B_T, clip)
@@ -138,7 +139,7 @@ def normalized_ratio_clip(inputs: ObjectiveInputs, granularity: Granularity,
     """Geometric-mean ratio clipped per turn or per sequence (GSPO-like). A *surrogate*.
 
     For each unit u (a turn, or a whole episode's action tokens) with T_u action tokens,
-    s_u = exp((1/T_u) Σ_{t∈u} log ρ_t) and L_u = -min(s_u A_i, clip(s_u, 1-ε, 1+ε_high) A_i).
+    s_u = exp((1/T_u) Σ_{t∈u} log ρ_t) and L_u = -min(s_u A_it, clip(s_u, 1-ε, 1+ε_high) A_it).
     L_u is broadcast to each token of u and reduced by R_w; with ``length_normalized``
     (granularity "sequence") or ``turn_mass_conserving`` (granularity "turn") every unit of an
     episode gets equal weight, which is GSPO's form. s_u is a length-normalized stability score,
@@ -158,7 +159,7 @@ def normalized_ratio_clip(inputs: ObjectiveInputs, granularity: Granularity,
     mean_U = log_ratio.new_zeros(n_units).scatter_add(0, unit, log_ratio * on)
     mean_U = mean_U / tokens_U.clamp(min=1.0)
     score = torch.exp(mean_U)[unit].reshape_as(weights)
-    adv_B_T = batch.adv_B[:, None].expand_as(weights)
+    adv_B_T = batch.adv_B_T
     surrogate, binding = _clipped_surrogate(score, adv_B_T, clip)
     pg_loss = (weights * surrogate).sum()
     # ∂L/∂log πθ(t) = W_u · (-A s_u [not binding]) / T_u, W_u = Σ_{t'∈u} w_t'.

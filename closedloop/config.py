@@ -1,12 +1,12 @@
-"""One validated run config. The seed's smoke YAML (seed 000 §7) is valid input as written, with
-``model:`` pointing at the embedded model or a local folder.
+"""One validated run config. The reference smoke YAML (configs/smoke_seed.yaml) is valid input as
+written, with ``model:`` pointing at the embedded model or a local folder.
 
 Every section is a frozen dataclass; loading is strict: an unknown or misspelled key, a wrong
-type, a value outside its allowed set, or a value the run does not implement (the seed's keys
-that state what the run does, ``_HONOURED_ONLY``) raises ``ConfigError`` naming the dotted key.
-The README's config reference lists every key, its default and what it does. The sections
+type, a value outside its allowed set, or a value the run does not implement (the smoke YAML's
+keys that state what the run does, ``_HONOURED_ONLY``) raises ``ConfigError`` naming the dotted key.
+docs/config.md lists every key, its default and what it does. The sections
 after ``evaluation`` are closedloop's own (training budget, SFT warm start, run directory) and
-all have defaults, so the seed's YAML needs none of them.
+all have defaults, so the smoke YAML needs none of them.
 """
 
 from __future__ import annotations
@@ -20,8 +20,15 @@ import yaml
 from closedloop.contracts import SamplerConfig, canonical_json, content_hash
 from closedloop.contracts.package import EnvPackage, TaskSetRequest
 from closedloop.contracts.schema import decode_record, encode_record
-from closedloop.errors import ConfigError, EnvPackageError, FieldError
-from closedloop.learn.objectives import OBJECTIVES
+from closedloop.errors import (
+    ConfigError,
+    EnvPackageError,
+    FieldError,
+    InvalidObjectiveError,
+    LearnError,
+    UnknownObjectiveError,
+)
+from closedloop.learn.objectives import ClipRange, get_objective
 
 
 @dataclass(frozen=True)
@@ -127,10 +134,11 @@ class CreditSection:
 class UpdateSection:
     """The objective and the three policies' roles."""
 
-    # closedloop.learn.objectives.OBJECTIVES; the clipped ones (ratio against π_beh) may take
-    # optimizer_steps_per_fresh_batch > 1 optimizer steps on each fresh batch.
-    objective: Literal["reinforce_with_kl", "ppo_clip", "normalized_ratio_clip[sequence]",
-                       "normalized_ratio_clip[turn]"] = "reinforce_with_kl"
+    # A registered objective (closedloop.learn.objectives: reinforce_with_kl, ppo_clip,
+    # normalized_ratio_clip[sequence], normalized_ratio_clip[turn], or one a user registered)
+    # or a dotted "pkg.module:attr" path to a factory; resolved at load. Those with a ratio
+    # against π_beh may take optimizer_steps_per_fresh_batch > 1 steps on each fresh batch.
+    objective: str = "reinforce_with_kl"
     behavior_policy: Literal["rollout_manifest"] = "rollout_manifest"
     proximal_policy: Literal["behavior_policy"] = "behavior_policy"
     reference_policy: Literal["initial_sft", "initial"] = "initial_sft"
@@ -169,7 +177,7 @@ class EvaluationSection:
 
 @dataclass(frozen=True)
 class TrainingSection:
-    """closedloop's training budget (not in the seed's YAML)."""
+    """closedloop's training budget (not in the smoke YAML)."""
 
     rl_steps: int = 4
     groups_per_step: int = 2
@@ -264,16 +272,7 @@ def _check_ranges(cfg: RunConfig) -> None:
     if cfg.rollout.max_version_lag != 0:
         raise ConfigError("rollout.max_version_lag", "only the synchronous baseline (0) is "
                           "implemented; asynchrony is a later ablation")
-    if cfg.update.optimizer_steps_per_fresh_batch != 1 and not OBJECTIVES[cfg.update.objective]:
-        raise ConfigError("update.optimizer_steps_per_fresh_batch",
-                          f"{cfg.update.objective} has no ratio against π_beh: reusing a batch "
-                          "needs a clipped-ratio objective (ppo_clip, normalized_ratio_clip)")
-    if cfg.update.objective == "reinforce_with_kl" and (
-            cfg.rollout.top_k is not None or cfg.rollout.top_p < 1.0):
-        raise ConfigError("rollout.top_p" if cfg.rollout.top_p < 1.0 else "rollout.top_k",
-                          "reinforce_with_kl has no ratio: it needs the trainer to score the "
-                          "distribution that sampled, and the trainer does not reproduce top-k/"
-                          "top-p masks; sample untruncated or use an objective with ratios")
+    _check_objective(cfg)
     for key in ("consistency.max_abs_log_ratio", "consistency.max_abs_tolerance"):
         section, name = key.split(".")
         if not getattr(getattr(cfg, section), name) > 0:
@@ -309,7 +308,7 @@ def _check_ranges(cfg: RunConfig) -> None:
     _check_model(cfg.model)
 
 
-# Keys of the seed's YAML whose other values the run does not implement: (dotted key, the one
+# Keys of the smoke YAML whose other values the run does not implement: (dotted key, the one
 # value the run honours, what the run does instead). Any other value is a ConfigError naming the
 # key, so a config never asks for behaviour that silently does not happen.
 _HONOURED_ONLY: tuple[tuple[str, object, str], ...] = (
@@ -342,6 +341,32 @@ def _dotted(cfg: RunConfig, key: str) -> object:
     for name in key.split("."):
         value = getattr(value, name)
     return value
+
+
+def _check_objective(cfg: RunConfig) -> None:
+    """Resolve ``update.objective`` (a registered name or a dotted path to a factory) with the
+    run's clip range and check it against the ``Objective`` protocol; what it may be asked
+    (several optimizer steps per batch, truncated sampling) follows from its ``uses_ratio``."""
+    u = cfg.update
+    try:
+        clip = ClipRange(u.clip_eps)
+    except LearnError as exc:
+        raise ConfigError("update.clip_eps", str(exc)) from None
+    try:
+        objective = get_objective(u.objective, clip)
+    except (UnknownObjectiveError, InvalidObjectiveError) as exc:
+        raise ConfigError("update.objective", str(exc)) from None
+    if objective.uses_ratio:
+        return
+    if u.optimizer_steps_per_fresh_batch != 1:
+        raise ConfigError("update.optimizer_steps_per_fresh_batch",
+                          f"{u.objective} has no ratio against π_beh: reusing a batch "
+                          "needs a clipped-ratio objective (ppo_clip, normalized_ratio_clip)")
+    if cfg.rollout.top_k is not None or cfg.rollout.top_p < 1.0:
+        raise ConfigError("rollout.top_p" if cfg.rollout.top_p < 1.0 else "rollout.top_k",
+                          f"{u.objective} has no ratio: it needs the trainer to score the "
+                          "distribution that sampled, and the trainer does not reproduce top-k/"
+                          "top-p masks; sample untruncated or use an objective with ratios")
 
 
 def _check_honoured(cfg: RunConfig) -> None:
@@ -461,11 +486,11 @@ SECTION_NAMES = tuple(f.name for f in fields(RunConfig))
 
 
 def smoke_config() -> RunConfig:
-    """The smoke experiment's defaults: the seed's YAML, scaled to 2 CPU cores.
+    """The smoke experiment's defaults: the smoke YAML, scaled to 2 CPU cores.
 
-    Sizes are those of seed 000 §7 (48 train / 16 held-out tasks, 8 turns, G=8) except the
-    training budget (``training``, ``sft``), which the seed leaves open, and these declared
-    departures:
+    Sizes are those of configs/smoke_seed.yaml (48 train / 16 held-out tasks, 8 turns, G=8)
+    except the training budget (``training``, ``sft``), which that YAML leaves open, and these
+    declared departures:
 
     - sampling at temperature 0.7: the behaviour log-probs recorded, the trainer, the reference
       and the auditor all use the tempered distribution (at 1.0 the warm-started 135M model

@@ -376,7 +376,7 @@ class ContextBudgetExceeded(ClosedloopError):
     """Some contexts cannot take another action within the window; carries ``keys``.
 
     The collector ends those episodes with ``max_token_truncation`` (censored) rather than let
-    the model see a silently cut context (design.md §7 failure 13).
+    the model see a silently cut context (docs/concepts.md, termination taxonomy).
     """
 
     def __init__(self, keys: Sequence[str]) -> None:
@@ -492,7 +492,12 @@ class NonFiniteLogprobError(LearnError):
 
 
 class UnknownObjectiveError(LearnError):
-    """An objective name that is not registered."""
+    """An objective name that is not registered, or a dotted path that does not import."""
+
+
+class InvalidObjectiveError(LearnError):
+    """An objective factory that is not callable, raised, or made something that does not
+    satisfy the ``Objective`` protocol; or a registration under an unusable or taken name."""
 
 
 class BatchReuseError(LearnError):

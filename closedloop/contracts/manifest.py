@@ -1,4 +1,5 @@
-"""The policy boundary: sampler configuration and the immutable PolicyManifest (seed 000 §1).
+"""The policy boundary: sampler configuration and the immutable PolicyManifest (docs/concepts.md,
+policy manifest).
 
 The deployed policy is more than weights: Π = (weights, system prompt, chat template, tool
 schemas, parser, memory/compactor, retry/step budgets, sampler). Every rollout, update and

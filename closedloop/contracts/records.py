@@ -1,4 +1,5 @@
-"""Turn, trajectory and group records: the trace schema (seed 000 §3, design.md §3).
+"""Turn, trajectory and group records: the trace schema (docs/concepts.md, trace
+record).
 
 A trace is sufficient to rebuild the gradient: exact token ids, the behaviour log-probs of the
 distribution that sampled them, the raw-model log-probs beside them, the action mask, versions,
@@ -140,7 +141,7 @@ class TrajectoryRecord:
 
 @dataclass(frozen=True)
 class GroupLease:
-    """Binds G sibling episodes of one task (seed 000 §6, "complete-group lease").
+    """Binds G sibling episodes of one task (docs/concepts.md, group-relative credit).
 
     Every sibling shares the task, seed, base snapshot, behaviour manifest and sampler until the
     whole group is verified.

@@ -1,4 +1,4 @@
-"""The nine termination codes (seed 000 §6, "Partial rollouts").
+"""The nine termination codes (docs/concepts.md, termination taxonomy).
 
 The first four are terminal: the policy or the task contract ended the episode and the verifier
 decides success. The other five are censored or system events: they are excluded from group

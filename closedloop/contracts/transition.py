@@ -1,4 +1,4 @@
-"""The transition contract (seed 000 §2-3): what happened in the environment.
+"""The transition contract (docs/concepts.md, snapshot fidelity): what happened in the environment.
 
 An environment (``AgentEnv``) is a resettable, snapshotable world an agent acts in. It owes:
 

@@ -1,14 +1,16 @@
 """The update contract: how a reward maps to action tokens and a policy update.
 
 An *objective* maps one batch, :class:`ObjectiveInputs`, to one :class:`ObjectiveOutput`:
-``objective(inputs) -> output``, chosen by name (:class:`Objective`; the registry is
-``closedloop.learn.objectives``). The inputs keep the three policies apart: log πθ (the only
-input with grad), log π_beh (sampled the tokens; the importance-ratio denominator) and log π_ref
-(only for KL, never a denominator). ``uses_ratio`` says whether the loss weighs πθ against π_beh
-through ρ = πθ/π_beh (with a clip): only such an objective may take several optimizer steps on
-one fresh batch, since after the first step πθ ≠ π_beh and a ratio-free objective would follow
-the wrong gradient. Under the strict synchronous contract (π_beh = π_prox = πθ at the start of
-the step, one optimizer step per fresh batch) the baseline is REINFORCE + KL:
+``objective(inputs) -> output``, chosen by name or dotted path (:class:`Objective`; the
+registry, which users extend, and the full contract of an objective are in
+``closedloop.learn.objectives.registry``). The inputs keep the three policies apart: log πθ
+(the only input with grad), log π_beh (sampled the tokens; the importance-ratio denominator)
+and log π_ref (only for KL, never a denominator). ``uses_ratio`` says whether the loss weighs
+πθ against π_beh through ρ = πθ/π_beh (with a clip): only such an objective may take several
+optimizer steps on one fresh batch, since after the first step πθ ≠ π_beh and a ratio-free
+objective would follow the wrong gradient. Under the strict synchronous contract
+(π_beh = π_prox = πθ at the start of the step, one optimizer step per fresh batch) the
+baseline is REINFORCE + KL:
 
     L = -(1/B) Σ_i A_i Σ_{t∈M_i} log πθ(a_it) + β KL(πθ || πref)
 
@@ -154,7 +156,8 @@ class Objective(Protocol):
 
     @property
     def name(self) -> str:
-        """The registered name (what ``update.objective`` and ``trainer.json`` name)."""
+        """The name its outputs carry (``ObjectiveOutput.objective``); a registered
+        objective's is the name it is registered under."""
         ...
 
     @property
@@ -185,21 +188,27 @@ class StepResult:
 
 @runtime_checkable
 class PolicyUpdater(Protocol):
-    """Updates the trainable policy from recorded batches (see the module docstring)."""
+    """Updates the trainable policy from recorded batches (see the module docstring).
+
+    What a caller uses: ``step`` (the update of one fresh batch), ``objective`` (its name and
+    whether it uses ratios), ``step_count`` and ``optimizer`` (the state a checkpoint saves
+    and a resume restores). How the gradient is accumulated is the updater's own.
+    """
 
     step_count: int
     """Fresh batches consumed so far (a checkpoint records and restores it)."""
 
+    @property
+    def objective(self) -> Objective:
+        """The objective every step applies."""
+        ...
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer, whose ``state_dict`` a checkpoint saves and a resume loads."""
+        ...
+
     def step(self, batch: TrainingBatch, advantages_B: torch.Tensor,
              success_B: torch.Tensor | None = None) -> StepResult:
         """The optimizer step(s) on one fresh batch; ``success_B`` labels the gradient mass."""
-        ...
-
-    def accumulate_gradients(self, batch: TrainingBatch, advantages_B: torch.Tensor,
-                             success_B: torch.Tensor | None = None
-                             ) -> tuple[Metrics, int, int]:
-        """Zero the gradients and backpropagate the whole batch without stepping.
-
-        Returns (metrics, action tokens, tokens).
-        """
         ...

@@ -1,4 +1,5 @@
-"""The verification contract (seed 000 §4): why the terminal state deserves this reward.
+"""The verification contract (docs/concepts.md, clean-room verification): why the terminal state
+deserves this reward.
 
 Every environment package (``closedloop.envs.discovery.EnvPackage``) ships a ``TaskVerifier`` that
 scores a task from the environment's *exported state bytes* only (``AgentEnv.export_state()``

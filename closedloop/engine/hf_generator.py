@@ -4,8 +4,9 @@ A *session* is one growing context (one episode of one rollout). Its ids are thr
 ``open_sessions([prompt])`` -> ``generate_batch`` appends the action ids -> ``extend`` appends the
 observation delta ids -> ``generate_batch`` ... Each session keeps the keys/values of its already
 processed ids (``[1, H_kv, n_cached, D]`` per layer), so a turn prefills only the ids added since
-the last one (seed 004, "prefix caching"); ``reprefill=True`` drops the caches before every
-batch and prefills whole contexts (the no-reuse baseline for benchmarks).
+the last one (an appended observation extends the cached prefix: token-id threading,
+docs/concepts.md); ``reprefill=True`` drops the caches before every batch and prefills whole
+contexts (the no-reuse baseline for benchmarks).
 
 One ``generate_batch`` call steps all its sessions together:
 

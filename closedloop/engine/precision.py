@@ -10,8 +10,8 @@ outputs, logits included, carry bf16 precision).
 
 Embeddings, norms, rotary, attention, softmax, residual adds and log-softmax stay float32. On
 CPUs with AMX-BF16 a GEMM of a few hundred rows runs ~5x faster in bf16 than in fp32, and a
-decode step reads half the weight bytes (design.md §6); the price is a policy that is no longer
-the fp32 one: a greedy output can change, and log-probs move by O(1e-2).
+decode step reads half the weight bytes (docs/concepts.md, precision policy); the price is a policy
+that is no longer the fp32 one: a greedy output can change, and log-probs move by O(1e-2).
 
 Both paths that score the policy apply this rule:
 

@@ -189,7 +189,8 @@ def trainer_path_logprobs(model: Any, token_ids_B_T: torch.Tensor,
     """The trainer path's log-probs ``[B, T-1]``: what ``Trainer`` scores and the auditor checks.
 
     ``temperature`` is the sampler's: the scored distribution is ``softmax(logits / τ)``, the one
-    that drew the tokens (design.md §7, failure 22), so a fresh on-policy ratio is 1.
+    that drew the tokens (docs/concepts.md, log-prob consistency audit: tempered scoring), so a
+    fresh on-policy ratio is 1.
 
     ``share_prompt_prefix`` forwards each distinct prompt (the ids before a row's first action
     token) once with ``shared_prefix_logprobs``; otherwise every row goes through

@@ -19,6 +19,10 @@ restored or forked (``SealedSnapshotError``), and ``export_sealed`` returns its 
 the sha256 and the env's own check against the reference pass. ``restore`` refuses a reference
 that differs from the stored one, a foreign ``env_version``, and a stored state whose content,
 rehashed by the env, no longer gives the reference's hashes (``SnapshotMismatchError``).
+
+``BookedEnv`` is the part of such an env that only delegates to its book: a fork's placement
+(a new env on ``branch()`` of the book, restored to the snapshot and labelled) and the sealed
+terminal's reference and bytes.
 """
 
 from __future__ import annotations
@@ -186,3 +190,43 @@ class SnapshotBook(Generic[S]):
             raise SnapshotMismatchError(f"sealed snapshot {ref.snapshot_id!r} bytes changed")
         self._check_sealed(ref, entry.sealed_bytes)
         return entry.sealed_bytes
+
+
+class _Forkable(Protocol):
+    """What ``BookedEnv.fork_from`` needs of the child env it places."""
+
+    branch_id: str | None
+
+    def restore(self, snapshot: SnapshotRef) -> None:
+        """Return to a stored snapshot."""
+        ...
+
+
+E = TypeVar("E", bound=_Forkable)
+
+
+class BookedEnv(Generic[S]):
+    """Mixin of an env whose snapshots live in a ``SnapshotBook`` at ``self._store``: the
+    fork placement and the sealing delegation of the transition contract, written once."""
+
+    _store: SnapshotBook[S]
+
+    def fork_from(self, make_child: Callable[[SnapshotBook[S]], E], snapshot: SnapshotRef,
+                  branch_id: str) -> E:
+        """``make_child(book)`` (a new env on a branch of this env's book) restored to
+        ``snapshot`` and labelled ``branch_id``, which never changes the state or the RNG."""
+        if not isinstance(branch_id, str):
+            raise ContractError("branch_id must be a string")
+        child = make_child(self._store.branch())
+        child.restore(snapshot)
+        child.branch_id = branch_id
+        return child
+
+    def sealed_terminal(self) -> SnapshotRef:
+        """The sealed snapshot of the episode's terminal state (``EpisodeNotDoneError``
+        before the end)."""
+        return self._store.sealed_terminal()
+
+    def export_sealed(self, ref: SnapshotRef) -> bytes:
+        """A sealed snapshot's bytes after checking their sha256 and content against ``ref``."""
+        return self._store.export_sealed(ref)

@@ -1,4 +1,5 @@
-"""Held-out evaluation of one policy manifest with the scaffold locked (seed 000 §7).
+"""Held-out evaluation of one policy manifest with the scaffold locked (docs/concepts.md,
+held-out evaluation).
 
 Each task gets ``attempts`` episodes, attempt k with seed ``seeds[k]``. Per task, c successes of
 n scored attempts give pass@1 = c/n, pass@k (unbiased) and pass^k (all k succeed, τ-bench).

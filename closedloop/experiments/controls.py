@@ -1,4 +1,4 @@
-"""The four controls from one cold start (seed 000 §7; seed 002 step 11.5.5).
+"""The four controls from one cold start (docs/concepts.md, four controls).
 
     frozen     the warm-started policy, no update (its held-out result is the start evaluation)
     rloo       the normal synchronous RL arm

@@ -9,6 +9,7 @@ protocols the objectives and the trainer satisfy are the update contract,
 from closedloop.contracts.batch import KLSpec
 from closedloop.errors import (
     GroupTooSmallError,
+    InvalidObjectiveError,
     KLPlacementError,
     LearnError,
     MaskError,
@@ -49,6 +50,7 @@ from closedloop.learn.objectives import (
     get_objective,
     normalized_ratio_clip,
     ppo_clip,
+    register_objective,
     reinforce_with_kl,
     token_entropy,
 )
@@ -102,10 +104,12 @@ __all__ = [  # noqa: RUF022 -- grouped by module, sorted within each group
     "get_objective",
     "normalized_ratio_clip",
     "ppo_clip",
+    "register_objective",
     "reinforce_with_kl",
     "token_entropy",
     # errors
     "GroupTooSmallError",
+    "InvalidObjectiveError",
     "KLPlacementError",
     "LearnError",
     "MaskError",

@@ -1,7 +1,7 @@
 """Atomic trainer checkpoints: weights, optimizer, RNG and the consumed group ids, together.
 
-Seed 000 §6: "Atomically commit consumed_group_ids + optimizer_step + output_policy_version in
-the trainer checkpoint." One checkpoint is one directory::
+Exactly-once groups (docs/concepts.md): consumed_group_ids + optimizer_step +
+output_policy_version commit atomically in the trainer checkpoint. One checkpoint is one directory::
 
     <dir>/step-000012/model.safetensors   model state dict
     <dir>/step-000012/optimizer.pt        optimizer state dict (torch.save, loaded weights_only)

@@ -1,4 +1,5 @@
-"""Credit estimators: trajectory advantages from sibling-group rewards (seed 000 §5).
+"""Credit estimators: trajectory advantages from sibling-group rewards (docs/concepts.md,
+group-relative credit).
 
 Every estimator here is a pure function of one group's rewards. A *group* is G sibling
 trajectories that share task, base snapshot, behaviour manifest and sampler (the group lease);
@@ -98,7 +99,8 @@ def grpo(rewards_G: RewardsLike, eps: float = 1e-6) -> torch.Tensor:
 
     ``std`` is the population standard deviation (divide by G). Dividing by it reweights task
     groups by their within-group reward scale; it is part of the objective, not a numerical
-    detail (seed 000 §5). A zero-variance group yields all-zero advantages.
+    detail (docs/concepts.md, group-relative credit). A zero-variance group yields all-zero
+    advantages.
     Shapes: ``rewards_G`` [G] -> [G]. Raises :class:`GroupTooSmallError` when G < 2.
     Hand-worked: R = [1, .5, .5, 0]: mean .5, std sqrt(.125) = .35355, A ≈ [1.414, 0, 0, -1.414].
     """

@@ -1,4 +1,5 @@
-"""Generator/trainer log-prob consistency audit (seed 000 §6, "LogprobConsistencyAuditor").
+"""Generator/trainer log-prob consistency audit (docs/concepts.md, log-prob
+consistency audit).
 
 At a frozen checkpoint, the log-probs the generator recorded for the ids it sampled (its KV-cached
 incremental path, ``raw_model_logprobs``) are compared with the trainer path's teacher-forced

@@ -1,4 +1,5 @@
-"""Explicit loss reducers: which tokens, turns or episodes get equal weight (seed 000 §5).
+"""Explicit loss reducers: which tokens, turns or episodes get equal weight (docs/concepts.md,
+loss reductions).
 
 Every reducer here is *linear* in the per-token loss terms: it computes a coefficient
 ``weights_B_T[i, t]`` for each token and returns ``L = Σ_{i,t} weights_B_T[i,t] · ℓ_{i,t}``. The
@@ -17,7 +18,7 @@ T_ik the action tokens of turn k.
 - ``turn_mass_conserving``: L = (1/B) Σ_i (1/K_i) Σ_k (1/T_ik) Σ_{t∈k} ℓ. Surrogate: equal
   mass per episode, split equally among its turns, then equally among each turn's tokens.
 - ``turn_mean``: L = (1/Σ_i K_i) Σ_i Σ_k (1/T_ik) Σ_{t∈k} ℓ. Surrogate: equal mass per turn
-  in the batch (seed 002 §11.2.4); episodes with more turns get more mass.
+  in the batch; episodes with more turns get more mass.
 
 Every weight factors as w_it = c(batch) · u_it, where u_it depends only on row i (1, 1/T_i,
 1/(K_i T_ik) or 1/T_ik) and c is one batch-wide constant (1/B, 1/Σ_i T_i or 1/Σ_i K_i). So the

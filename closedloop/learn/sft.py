@@ -1,5 +1,5 @@
-"""Supervised warm start on demonstrations (seed 000 §7: "add a small tool-call and recovery SFT
-stage first"; design.md §6: the embedded model emits no tool calls out of the box).
+"""Supervised warm start on demonstrations (docs/concepts.md, warm start: the embedded model
+emits no tool calls out of the box, so a small tool-call and recovery SFT stage comes first).
 
 The demonstrations are ordinary traced episodes (the noisy expert's, through the same collector,
 renderer and threading), so SFT teacher-forces exactly the ids an RL batch would: the loss is the

@@ -1,11 +1,11 @@
 """The trainer: master weights (or LoRA adapters), optimizer state, the update of a fresh batch.
 
 ``Trainer.step`` teacher-forces the recorded token ids (``closedloop.rollout.tensors``), scores
-them under πθ (with grad) and π_ref (no grad), and applies the objective registered under the
-configured name (``closedloop.learn.objectives.get_objective``) with the configured reducer:
-never a framework default. It takes one optimizer step per fresh batch, or
-``optimizer_steps_per_batch`` steps for an objective with ratios against π_beh (each step
-re-scores πθ on the same tokens). Micro-batching is exact: the reducer's per-token
+them under πθ (with grad) and π_ref (no grad), and applies the objective the config names (a
+registered name or a dotted path to a factory: ``closedloop.learn.objectives.get_objective``)
+with the configured reducer: never a framework default. It takes one optimizer step per fresh
+batch, or ``optimizer_steps_per_batch`` steps for an objective with ratios against π_beh (each
+step re-scores πθ on the same tokens). Micro-batching is exact: the reducer's per-token
 coefficients are computed once on the whole batch and each micro-batch is given its rows, so the
 summed gradient equals the whole-batch gradient.
 
@@ -119,8 +119,8 @@ class Trainer:
         refs: dict[int, torch.Tensor] = {}
         n_act = n_tok = 0
         for _ in range(self.config.optimizer_steps_per_batch):
-            metrics, n_act, n_tok = self.accumulate_gradients(batch, advantages_B, success_B,
-                                                              refs)
+            metrics, n_act, n_tok = self._accumulate_gradients(batch, advantages_B, success_B,
+                                                               refs)
             params = [p for p in self.model.parameters() if p.requires_grad]
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm))
             if not math.isfinite(grad_norm):
@@ -136,10 +136,10 @@ class Trainer:
         first["optim/steps_on_batch"] = len(passes)
         return StepResult(first, norms[0], n_act, n_tok, tuple(passes))
 
-    def accumulate_gradients(self, batch: TrainingBatch, advantages_B: torch.Tensor,
-                             success_B: torch.Tensor | None = None,
-                             ref_cache: dict[int, torch.Tensor] | None = None
-                             ) -> tuple[Metrics, int, int]:
+    def _accumulate_gradients(self, batch: TrainingBatch, advantages_B: torch.Tensor,
+                              success_B: torch.Tensor | None = None,
+                              ref_cache: dict[int, torch.Tensor] | None = None
+                              ) -> tuple[Metrics, int, int]:
         """Zero the gradients, then backpropagate the whole batch in micro-batches.
 
         Returns (merged metrics, action tokens, tokens). The gradient equals the whole-batch

@@ -1,4 +1,4 @@
-"""Chat rendering that threads token ids (seed 004 "Carry token ids, not strings"; design §3, §6).
+"""Chat rendering that threads token ids (docs/concepts.md, token-id threading).
 
 SmolLM2's own chat template has no tool role, so closedloop renders its own documented ChatML
 tool format with the model's special tokens. The whole conversation, rendered at once, is::

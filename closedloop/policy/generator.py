@@ -1,9 +1,9 @@
 """The generator contract: context token ids + sampler -> action ids with both log-probs.
 
-A ``Generator`` continues a context of token ids (never a string: seed 004 "Carry token ids")
-and returns a ``Generation``: the sampled action ids, the behaviour log-prob of each id under the
-distribution that actually sampled it (``closedloop.policy.sampling``), the raw model log-prob of
-each id (temperature 1, no truncation), and why it stopped:
+A ``Generator`` continues a context of token ids (never a string: token-id threading,
+docs/concepts.md) and returns a ``Generation``: the sampled action ids, the behaviour log-prob of
+each id under the distribution that actually sampled it (``closedloop.policy.sampling``), the raw
+model log-prob of each id (temperature 1, no truncation), and why it stopped:
 
 - ``"stop"``: the generated text contains a stop sequence (``</tool_call>``); the token that
   completed it is the last action id;

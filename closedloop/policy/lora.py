@@ -5,12 +5,12 @@ Kaiming-uniform from ``seed``, B = 0, so the adapted model starts equal to the b
 by default, so the trainer's log-probs are a deterministic function of the weights, like the
 generator's.
 
-A LoRA policy version is base revision + adapter revision (seed 000 §1). ``policy_weight_checksum``
-returns both and their combination (``weights.combine_checksums``), which is the manifest's
-``weight_checksum``. The base checksum uses the base model's own tensor names (peft's
-``base_model.model.`` prefix and ``.base_layer`` segment removed), so it equals
-``weights_checksum`` of the un-adapted model; the adapter checksum covers every other tensor
-(``lora_A``, ``lora_B``, ...) under its in-memory name.
+A LoRA policy version is base revision + adapter revision (docs/concepts.md, atomic weight
+publication). ``policy_weight_checksum`` returns both and their combination
+(``weights.combine_checksums``), which is the manifest's ``weight_checksum``. The base checksum
+uses the base model's own tensor names (peft's ``base_model.model.`` prefix and ``.base_layer``
+segment removed), so it equals ``weights_checksum`` of the un-adapted model; the adapter
+checksum covers every other tensor (``lora_A``, ``lora_B``, ...) under its in-memory name.
 """
 
 from __future__ import annotations

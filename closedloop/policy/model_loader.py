@@ -8,7 +8,7 @@ Sources (``load_model(model=...)``):
 - a local Hugging Face model folder (``config.json`` + weights): loaded directly, never cached.
 
 A GGUF is loaded with transformers ``from_pretrained(folder, gguf_file=name)`` (dequantized to
-dense fp32, ≈15 s), its ``GgufHfQuantizer`` is removed (design.md §6: otherwise the model is
+dense fp32, ≈15 s), its ``GgufHfQuantizer`` is removed (otherwise the model is
 neither serializable nor trainable), and a dense safetensors copy plus the tokenizer is written to
 ``<cache>/<sha256(gguf)[:16]>/``; later loads read that copy (≈2 s). The cache directory is
 ``cache_dir`` if given, else ``$CLOSEDLOOP_CACHE/models``, else ``~/.cache/closedloop/models``.
@@ -216,7 +216,7 @@ def _from_gguf(path: Path) -> tuple[Any, Any]:
         raise ModelLoadError(f"cannot load the GGUF {path}: {exc}") from exc
     quantizer = getattr(lm, "hf_quantizer", None)
     if quantizer is not None:
-        # design.md §6: the weights are already dense; drop the GGUF quantizer so the model can
+        # the weights are already dense; drop the GGUF quantizer so the model can
         # be saved and trained.
         quantizer.remove_quantization_config(lm)
     return lm, tok

@@ -10,7 +10,7 @@ Layout under ``root``::
     ACTIVE                               {"version", "checksum", "manifest_hash", ...}
     publish_log.jsonl                    one line per publication
 
-Publication protocol (seed 000 §6, "Weight publication must be atomic")::
+Publication protocol (docs/concepts.md, atomic weight publication)::
 
     stage (write to staging, fsync, re-read and verify checksum, rename into versions/)
     -> workers load the version and ack(worker_id, version, checksum_loaded)

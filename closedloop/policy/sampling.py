@@ -1,4 +1,5 @@
-"""The sampler's distribution, as pure functions (seed 000 §3 rule 1 and §6).
+"""The sampler's distribution, as pure functions (docs/concepts.md, log-prob
+consistency audit: tempered scoring).
 
 The behaviour log-prob of a sampled token is its log-probability under the distribution that
 *actually* sampled it, not under the raw model. For logits ``z`` (one row of ``logits_B_V``) and a

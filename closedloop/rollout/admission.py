@@ -1,6 +1,6 @@
 """Complete-group admission: version, manifest, staleness, drift and censoring gates.
 
-Seed 000 §6 ("What should happen to stale data?", "A minimal admission controller"): a group
+Staleness admission (docs/concepts.md): a group
 reaches the trainer only when every sibling was sampled by the lease's behaviour manifest, the
 version lag ``train_version - behavior_version`` is within a hard bound, and the declared
 censoring rule accepts it. Everything else is quarantined or discarded *with a reason*, never
@@ -221,7 +221,7 @@ class AdmissionController:
     max_version_lag: hard bound on ``train_version - behavior_version`` (0 = synchronous).
     require_one_behavior_version: reject groups whose members disagree on the version.
     drift_tol: if set, ``admit`` needs a measured ``drift`` (mean |Δ log p| over action
-    tokens, seed 000 D_sample) and rejects groups above it.
+    tokens, D_sample in docs/concepts.md, staleness admission) and rejects groups above it.
     censor_rule: ``discard_group`` (default) or ``drop_censored``; min_uncensored applies to
     the latter. strict: raise the named errors instead of returning a rejection.
     """

@@ -1,10 +1,11 @@
-"""Version-pinned, group-batched multi-turn collection (seed 000 §3 and §6, seed 004).
+"""Version-pinned, group-batched multi-turn collection (trace record and token-id threading,
+docs/concepts.md).
 
 A ``GroupLease`` binds G sibling episodes of one task, seed, base snapshot, behaviour manifest
-and sampler. Each sibling gets its own environment instance (never one shared env, design.md §7
-failure 16). All live episodes of all groups step together: one batched ``act`` per turn, then
-one environment step each; finished episodes drop out. Every turn is written as a ``TurnRecord``
-as it happens and every episode ends with a ``TrajectoryRecord``:
+and sampler. Each sibling gets its own environment instance (never one shared env: siblings
+never see each other's writes). All live episodes of all groups step together: one batched ``act``
+per turn, then one environment step each; finished episodes drop out. Every turn is written as a
+``TurnRecord`` as it happens and every episode ends with a ``TrajectoryRecord``:
 
 - terminal episodes (finish, environment terminal, task budget) are scored by the verifier from
   the exported state, outside the agent's reach;

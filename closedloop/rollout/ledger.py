@@ -1,4 +1,5 @@
-"""The group ledger: exactly-once consumption of sibling groups, in SQLite (seed 000 §6).
+"""The group ledger: exactly-once consumption of sibling groups, in SQLite (docs/concepts.md,
+exactly-once groups).
 
 Every group moves through a small state machine, one SQLite transaction per transition::
 

@@ -62,7 +62,7 @@ class LedgerCounts:
 
 @dataclass(frozen=True)
 class ExactlyOnceReport:
-    """Exactly-once accounting of an expected set of group ids (seed 000 go/no-go gate).
+    """Exactly-once accounting of an expected set of group ids (gate ``exactly_once_groups``).
 
     consumed_once: expected ids consumed exactly once. duplicate: ids with at least one refused
     duplicate collection or consumption (``duplicate_attempts`` counts the attempts). lost:

@@ -1,4 +1,4 @@
-"""Environment-side replay of a trace (seed 000 §3, the first reproducibility claim).
+"""Environment-side replay of a trace (docs/concepts.md, snapshot fidelity).
 
 Given the recorded actions, a fresh environment must reproduce every observation, every state
 hash and the verifier's reward exactly. Token sampling is not replayed (it need not be

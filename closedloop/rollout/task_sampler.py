@@ -1,4 +1,5 @@
-"""Difficulty-band task sampler with four auditable streams (seed 000 §5, §8.1; seed 002 11.4).
+"""Difficulty-band task sampler with four auditable streams (docs/concepts.md, difficulty
+bands).
 
 Per task it keeps counts: successes s and scored attempts n (one ``update`` per scored group),
 the sizes of the groups seen and how many were zero-variance, infrastructure/verifier failures,
@@ -19,7 +20,7 @@ Streams, for a band (b_lo, b_hi), in this order of precedence:
 
 With z = 1.96 and the band (0.2, 0.8), one unanimous group of 8 keeps a task learnable
 (0/8 -> hi = 0.324; 8/8 -> lo = 0.676); it takes two (0/16 -> hi = 0.194; 16/16 -> lo = 0.806)
-to leave it, so a task is never moved after one unlucky group (seed 002, 11.4.2 rule 6).
+to leave it, so a task is never moved after one unlucky group.
 
 Sampling. Each draw is independent (with replacement): a stream s is chosen with probability
 w_s / Σ w over the non-empty sampled streams, then a task uniformly inside it, so the
@@ -31,7 +32,8 @@ and the expected number of draws of i among n is n·π_i. ``sample(n, step)`` is
 of (seed, step, the counts): the RNG is ``random.Random(f"task-sampler/{seed}/{step}")``.
 Every ``TaskDraw`` carries its task's family, stream and π_i, to be stored with the sample.
 
-Informative groups (seed 000 §5): a Bernoulli(p) group of m siblings is zero-variance with
+Informative groups (docs/concepts.md, difficulty bands): a Bernoulli(p) group of m siblings is
+zero-variance with
 probability P_deg(p, m) = p^m + (1−p)^m. ``informative_stats`` compares the observed
 zero-variance rate with Σ_groups P̂_deg / #groups, where P̂_deg for a task with n ≥ m is the
 unbiased [C(s, m) + C(n−s, m)] / C(n, m) (else the plug-in at p̃ = (s+1)/(n+2)), and predicts the

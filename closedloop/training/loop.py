@@ -1,4 +1,5 @@
-"""The reference training loop, in the order of seed 000's minimum training loop.
+"""The reference training loop, in the order of the minimal training loop
+(docs/concepts.md).
 
     for task_batch in sampler:
         behavior = registry.freeze_current()

@@ -285,17 +285,17 @@ def test_cold_start_band_is_not_measured_without_the_train_evaluation():
 
 
 def test_the_experiment_printout_names_each_other_suite_with_its_arms() -> None:
-    from closedloop.cli import _suite_lines
+    from closedloop.cli.text import suite_lines
 
     arm = {"success": 0.5, "diff_vs_frozen": {"estimate": 0.25, "lo": 0.0, "hi": 0.5}}
     suites = {s: {"tasks": 8, "arms": {"frozen": {"success": 0.25}, "rloo": arm}}
               for s in ("heldout", "family", "train")}
-    lines = _suite_lines({"suites": suites})
+    lines = suite_lines({"suites": suites})
     assert lines[0] == "== family suite (8 tasks, families never trained on) =="
     assert lines[3] == "== train suite (8 tasks, the train tasks RL drew from, in distribution) =="
     assert lines[4] == "frozen    success 0.250"
     assert lines[5] == "rloo      success 0.500  diff 0.250 [0.000, 0.500]"
-    assert _suite_lines({"suites": {"heldout": suites["heldout"]}}) == []
+    assert suite_lines({"suites": {"heldout": suites["heldout"]}}) == []
 
 
 def test_replicates_json_is_written_once_with_each_replicates_claim(tmp_path, monkeypatch):

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
-from closedloop.cli import _report_lines, main
+from closedloop.cli import main
+from closedloop.cli.text import report_lines
 from closedloop.envs.terminal import build_fixtures
 from closedloop.evaluate import gates as gates_pkg
 from closedloop.evaluate.gates import GATE_NAMES, Gate, GateReport
@@ -180,7 +181,7 @@ def test_each_other_suite_reports_the_shuffled_control_beside_the_rl_arm(
     attribution = report[key]["rl_minus_null"]  # the reward's share: RL against its null
     assert attribution["what"] == f"RL final - shuffled final ({title})"
     assert attribution["estimate"] == 0.5 and attribution["ci"] == [0.5, 0.5]
-    printed = "\n".join(_report_lines(write_report(arms / "rloo")[1]))
+    printed = "\n".join(report_lines(write_report(arms / "rloo")[1]))
     assert f"RL final - frozen start ({title}) = +0.500" in printed
     assert f"shuffled final - frozen start ({title}) = +0.000" in printed
     assert f"RL final - shuffled final ({title}) = +0.500 [+0.500, +0.500]" in printed

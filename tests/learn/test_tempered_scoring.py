@@ -3,6 +3,7 @@ distribution that drew the tokens, so a fresh on-policy batch has ratio 1; the r
 a run whose trainer scored at another temperature, and the learning-signal gate refuses to pass
 a run that received no gradient."""
 
+import math
 from pathlib import Path
 
 import pytest
@@ -33,10 +34,12 @@ def tempered_episodes():
 
 
 def _ratio_metrics(model, episodes, temperature):
-    trainer = Trainer(model, TrainerConfig(temperature=temperature, kl_beta=0.0))
+    # learning rate 0 and no clipping: the step scores the batch and leaves the weights be
+    trainer = Trainer(model, TrainerConfig(temperature=temperature, kl_beta=0.0,
+                                           learning_rate=0.0, max_grad_norm=math.inf))
     batch = build_training_batch(episodes)
     adv = torch.linspace(-1, 1, len(episodes))
-    metrics, _, _ = trainer.accumulate_gradients(batch, adv)
+    metrics = trainer.step(batch, adv).metrics
     trainer.optimizer.zero_grad(set_to_none=True)
     return metrics
 

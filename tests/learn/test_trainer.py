@@ -3,6 +3,7 @@ batch reuse by ratio objectives."""
 
 import copy
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -62,6 +63,16 @@ def episode(model, seed, n_turns=2, episode_id="e", first_prompt=None):
     return Episode(ep.trajectory, tuple(fixed))
 
 
+def gradient_only_step(policy, batch, adv, **config):
+    """One ``Trainer.step`` that leaves the weights as they were (learning rate 0, no weight
+    decay, no gradient clipping): the batch's gradient stays in ``.grad``; its metrics."""
+    cfg = TrainerConfig(kl_beta=0.0, learning_rate=0.0, max_grad_norm=math.inf, **config)
+    before = [p.detach().clone() for p in policy.parameters()]
+    metrics = Trainer(policy, cfg).step(batch, adv).metrics
+    assert all(torch.equal(a, p) for a, p in zip(before, policy.parameters(), strict=True))
+    return metrics
+
+
 @pytest.mark.parametrize("reducer", ["episode_sum", "token_mean", "length_normalized",
                                      "turn_mass_conserving"])
 def test_micro_batching_is_exact(policy, reducer):
@@ -70,8 +81,8 @@ def test_micro_batching_is_exact(policy, reducer):
     adv = torch.tensor([1.0, -0.5, 0.25, -1.0, 0.5])
     grads, losses = [], []
     for micro in (1, 2, 5):
-        cfg = TrainerConfig(reducer=reducer, micro_batch_size=micro, kl_beta=0.0)
-        metrics, _, _ = Trainer(policy, cfg).accumulate_gradients(batch, adv)
+        metrics = gradient_only_step(policy, batch, adv, reducer=reducer,
+                                     micro_batch_size=micro)
         losses.append(metrics["losses/loss"])
         grads.append({n: p.grad.clone() for n, p in policy.named_parameters()
                       if p.requires_grad})
@@ -114,8 +125,7 @@ def test_the_step_ratio_tails_are_exact_across_micro_batches(policy):
              "mean": float(abs_log.mean())}
     adv = torch.tensor([1.0, -0.5, 0.25, -1.0, 0.5])
     for micro in (1, 2, 5):
-        metrics, _, _ = Trainer(policy, TrainerConfig(micro_batch_size=micro, kl_beta=0.0)
-                                ).accumulate_gradients(batch, adv)
+        metrics = gradient_only_step(policy, batch, adv, micro_batch_size=micro)
         assert metrics["batch/micro_batches"] == -(-5 // micro)
         for stat, value in whole.items():
             # fp32 forward vs the trainer's path: ~1e-6 nat; the statistics differ by > 1e-2

@@ -1,6 +1,7 @@
-"""Key-and-door (seed 002 §11.5.4): the exit colour hidden until ``inspect``, macro-actions
-with durations, phase masks that never reveal the colour. The package is ``keydoor_package``
-(``closedloop.envs.keydoor.package``); the rules, tasks, verifier and expert are its modules.
+"""Key-and-door (docs/environments.md, built-in packages): the exit colour hidden until
+``inspect``, macro-actions with durations, phase masks that never reveal the colour. The
+package is ``keydoor_package`` (``closedloop.envs.keydoor.package``); the rules, tasks,
+verifier and expert are its modules.
 """
 
 from closedloop.envs.keydoor.expert import KeyDoorExpert

@@ -3,37 +3,34 @@
 ``KeyDoorExpert`` knows nothing hidden: it inspects, reads the colour from the clue (the only
 colour word an ``inspect`` observation holds), keeps the key it holds if it matches or picks up
 the other one, opens that door and finishes. It carries the clue across turns itself (the
-recurrent memory seed 002 asks of the policy). ``noise_rate`` is the probability, before each of
+recurrent memory the task asks of the policy). ``noise_rate`` is the probability, before each of
 its planned actions, of first making one recoverable mistake: a malformed call, or picking up
 the wrong key (then the right one). Mistakes cost time, so on ``tight`` tasks they fail.
 """
 
 from __future__ import annotations
 
-import random
 import re
 
 from closedloop.contracts import Action
+from closedloop.envs.sim.experts import ObservingExpert
 
 _COLOUR_RE = re.compile(r"\b(red|blue)\b")
 _HOLD_RE = re.compile(r"You hold the (red|blue) key")
 
 
-class KeyDoorExpert:
+class KeyDoorExpert(ObservingExpert):
     """Plays one episode from observations (see the module docstring)."""
 
     def __init__(self, seed: int = 0, noise_rate: float = 0.0) -> None:
-        if not 0.0 <= noise_rate <= 1.0:
-            raise ValueError(f"noise_rate must be in [0, 1], got {noise_rate}")
-        self._rng = random.Random(f"keydoor-expert/{seed}")
-        self.noise_rate = noise_rate
+        super().__init__("keydoor-expert", seed, noise_rate)
         self._target: str | None = None
         self._held: str | None = None
         self._queued: list[Action | str] = []
         self._started = False
 
-    def act(self, observation: str) -> Action | str:
-        """The next action for ``observation`` (the env's latest text)."""
+    def _observe(self, observation: str) -> Action | str | None:
+        """Remember the key held and the clue's colour; the queued recovery, if any."""
         held = _HOLD_RE.search(observation)
         if held or "You hold no key" in observation:
             self._held = held.group(1) if held else None
@@ -41,12 +38,7 @@ class KeyDoorExpert:
             colours = _COLOUR_RE.findall(observation.split("You hold", 1)[0])
             self._target = colours[0] if colours else None
         self._started = True
-        if self._queued:
-            return self._queued.pop(0)
-        planned = self._plan(observation)
-        if planned.kind == "tool" and self._rng.random() < self.noise_rate:
-            return self._mistake(planned)
-        return planned
+        return self._queued.pop(0) if self._queued else None
 
     def _plan(self, observation: str) -> Action:
         if "is open" in observation:

@@ -18,13 +18,17 @@ from functools import cache
 from typing import Any
 
 from closedloop.contracts import Action
+from closedloop.contracts.fixture import AdjudicatedFixture
 from closedloop.contracts.package import EnvPackage
 from closedloop.envs.keydoor.expert import KeyDoorExpert
 from closedloop.envs.keydoor.rules import ACTIONS, KeyDoorRules
 from closedloop.envs.keydoor.tasks import CATALOG
 from closedloop.envs.keydoor.verifier import make_verifier
 from closedloop.envs.scripted import play
+from closedloop.envs.sim.catalog import SimTask
 from closedloop.envs.sim.env import SimEnv
+from closedloop.envs.sim.experts import expert_and_noisy
+from closedloop.envs.sim.fixtures import Play, fixtures_per_task, tampered_fixture
 from closedloop.envs.sim.package import sim_package
 
 ENV_ID = "keydoor-v1"
@@ -94,38 +98,28 @@ def default_fixture_tasks() -> tuple[str, ...]:
     return tuple(out)
 
 
-def fixtures(task_ids: tuple[str, ...] | None) -> list[Any]:
+def fixtures(task_ids: tuple[str, ...] | None) -> list[AdjudicatedFixture]:
     """Adjudicated fixtures (see the module docstring); default: one task per template."""
-    from closedloop.envs.sim.fixtures import played_fixture, tampered_fixture
-
-    ids = task_ids or default_fixture_tasks()
-    out = []
-    make = lambda: SimEnv(KeyDoorRules())  # noqa: E731
-    for task_id in ids:
-        task = CATALOG.task(task_id)
+    def build(task: SimTask, play: Play) -> list[AdjudicatedFixture]:
         target = task.hidden["target"]
         other = "blue" if target == "red" else "red"
-        gold = played_fixture(make, task, "gold", _expert_actions(task_id), True,
-                              "the expert inspects, takes the clue's key, opens its door")
-        out.append(gold)
-        out.append(played_fixture(
-            make, task, "alt_correct", [Action.tool(f"pickup_{other}"),
-                                        Action.tool(f"pickup_{target}"),
-                                        Action.tool(f"open_{target}"), Action.finish()],
-            True, "a guessed wrong key swapped for the right one before any door"))
-        out.append(played_fixture(
-            make, task, "wrong_fix", [Action.tool(f"pickup_{other}"),
-                                      Action.tool(f"open_{other}"), Action.finish()],
-            False, "the non-exit door was opened"))
-        out.append(played_fixture(make, task, "initial", [Action.finish()], False,
-                                  "finished without opening a door"))
-        out.append(played_fixture(
-            make, task, "near_miss", [Action.tool(f"pickup_{target}"),
-                                      Action.tool(f"open_{target}"), Action.abstain()],
-            False, "the exit was opened but the episode ended by abstain, not finish"))
-        out.append(tampered_fixture(gold, _rewrite_clue(f"The {other} door."),
-                                    "the clue in the exported world was rewritten"))
-    return out
+        gold = play("gold", _expert_actions(task.task_id), True,
+                    "the expert inspects, takes the clue's key, opens its door")
+        return [
+            gold,
+            play("alt_correct", [Action.tool(f"pickup_{other}"), Action.tool(f"pickup_{target}"),
+                                 Action.tool(f"open_{target}"), Action.finish()],
+                 True, "a guessed wrong key swapped for the right one before any door"),
+            play("wrong_fix", [Action.tool(f"pickup_{other}"), Action.tool(f"open_{other}"),
+                               Action.finish()], False, "the non-exit door was opened"),
+            play("initial", [Action.finish()], False, "finished without opening a door"),
+            play("near_miss", [Action.tool(f"pickup_{target}"), Action.tool(f"open_{target}"),
+                               Action.abstain()],
+                 False, "the exit was opened but the episode ended by abstain, not finish"),
+            tampered_fixture(gold, _rewrite_clue(f"The {other} door."),
+                             "the clue in the exported world was rewritten")]
+
+    return fixtures_per_task(KeyDoorRules, CATALOG, task_ids or default_fixture_tasks(), build)
 
 
 def _rewrite_clue(clue: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
@@ -139,7 +133,6 @@ def keydoor_package() -> EnvPackage:
         env_id=ENV_ID, rules=KeyDoorRules, catalog=CATALOG, make_verifier=make_verifier,
         tool_schemas=TOOL_SCHEMAS, system_prompt=SYSTEM_PROMPT, action_sampler=sample_action,
         fork_probe=fork_probe,
-        scripted={"expert": lambda task_id, seed, rate: KeyDoorExpert(seed),
-                  "noisy": lambda task_id, seed, rate: KeyDoorExpert(seed, rate)},
+        scripted=expert_and_noisy(lambda task_id, seed, rate: KeyDoorExpert(seed, rate)),
         fixtures=fixtures,
-        description="Key-and-door (seed 002): a hidden exit colour, macro-actions, phase masks.")
+        description="Key-and-door: a hidden exit colour, macro-actions, phase masks.")

@@ -1,4 +1,5 @@
-"""Key-and-door dynamics (seed 002 §11.5.4): macro-actions with durations and phase masks.
+"""Key-and-door dynamics (docs/environments.md, built-in packages): macro-actions with durations
+and phase masks.
 
 World: ``room`` and ``clue`` texts, ``inspected``, the ``key`` held (``red``/``blue``/None) and
 the ``door`` opened (None until one is). The rules never hold the target colour: the clue text

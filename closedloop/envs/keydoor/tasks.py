@@ -1,4 +1,4 @@
-"""Key-and-door tasks (seed 002 §11.5.4): family ``keydoor-v1``.
+"""Key-and-door tasks (docs/environments.md, built-in packages): family ``keydoor-v1``.
 
 A room has a red and a blue door and a key of each colour. One door is the exit; a clue naming
 its colour is seen only after ``inspect``. Public data (what the environment materializes): the

@@ -1,6 +1,6 @@
-"""SearchQA (seed 004): ``search`` and ``answer`` over a small fictional corpus shipped in the
-package, retrieved with BM25 (``bm25s``, local), answers matched strictly (padding and hedging
-fail). The package is ``searchqa_package`` (``closedloop.envs.searchqa.package``).
+"""SearchQA, a ReAct environment: ``search`` and ``answer`` over a small fictional corpus shipped
+in the package, retrieved with BM25 (``bm25s``, local), answers matched strictly (padding and
+hedging fail). The package is ``searchqa_package`` (``closedloop.envs.searchqa.package``).
 """
 
 from closedloop.envs.searchqa.matching import is_correct, normalize

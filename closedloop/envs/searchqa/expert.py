@@ -13,14 +13,14 @@ import random
 
 from closedloop.contracts import Action
 from closedloop.envs.sim.catalog import SimTask
+from closedloop.envs.sim.experts import check_noise_rate
 
 
 class SearchQAExpert:
     """Plays one episode of ``task`` (see the module docstring)."""
 
     def __init__(self, task: SimTask, seed: int = 0, noise_rate: float = 0.0) -> None:
-        if not 0.0 <= noise_rate <= 1.0:
-            raise ValueError(f"noise_rate must be in [0, 1], got {noise_rate}")
+        check_noise_rate(noise_rate)
         rng = random.Random(f"searchqa-expert/{seed}/{task.task_id}")
         plan: list[Action | str] = []
         for query in task.hidden["gold_queries"]:

@@ -17,13 +17,21 @@ from functools import cache
 from typing import Any
 
 from closedloop.contracts import Action
+from closedloop.contracts.fixture import AdjudicatedFixture
 from closedloop.contracts.package import EnvPackage
 from closedloop.envs.searchqa.corpus import passages
 from closedloop.envs.searchqa.expert import SearchQAExpert
 from closedloop.envs.searchqa.rules import SearchQARules
 from closedloop.envs.searchqa.tasks import CATALOG, TEMPLATES
 from closedloop.envs.searchqa.verifier import make_verifier
-from closedloop.envs.sim.env import SimEnv
+from closedloop.envs.sim.catalog import SimTask
+from closedloop.envs.sim.experts import expert_and_noisy
+from closedloop.envs.sim.fixtures import (
+    Play,
+    first_tasks,
+    fixtures_per_task,
+    tampered_fixture,
+)
 from closedloop.envs.sim.package import sim_package
 
 ENV_ID = "searchqa-v1"
@@ -66,40 +74,33 @@ def fork_probe(task_id: str) -> Action:
     return Action.tool("search", query=CATALOG.task(task_id).objective)
 
 
-def fixtures(task_ids: tuple[str, ...] | None) -> list[Any]:
+def fixtures(task_ids: tuple[str, ...] | None) -> list[AdjudicatedFixture]:
     """Adjudicated fixtures (see the module docstring); default: two tasks per template (32
     positives, 64 negatives: enough for the FP/FN gate's bounds at zero errors)."""
-    from closedloop.envs.sim.fixtures import played_fixture, tampered_fixture
-
-    ids = task_ids or tuple(CATALOG.generate("searchqa-v1", t, i).task_id
-                            for t in TEMPLATES for i in range(2))
-    make = lambda: SimEnv(SearchQARules())  # noqa: E731
-    out = []
-    for task_id in ids:
-        task = CATALOG.task(task_id)
+    def build(task: SimTask, play: Play) -> list[AdjudicatedFixture]:
         answers = task.hidden["answers"]
         searches = [Action.tool("search", query=q) for q in task.hidden["gold_queries"]]
-        other = next(a for t in CATALOG.task_ids(task.split) if t != task_id
+        other = next(a for t in CATALOG.task_ids(task.split) if t != task.task_id
                      and (a := CATALOG.task(t).hidden["answers"][0]) not in answers)
         variant = answers[-1] if len(answers) > 1 else f"The {answers[0]}."
 
-        def answered(kind: str, text: str, label: bool, why: str, task: Any = task,
-                     searches: list[Action] = searches) -> Any:
-            return played_fixture(make, task, kind, [*searches, Action.tool("answer", text=text)],
-                                  label, why)
+        def answered(kind: str, text: str, label: bool, why: str) -> AdjudicatedFixture:
+            return play(kind, [*searches, Action.tool("answer", text=text)], label, why)
 
         gold = answered("gold", answers[0], True, "the gold answer")
-        out += [gold, answered("alt_correct", variant, True, "an accepted spelling"),
-                answered("wrong_fix", other, False, "another entity's answer"),
-                answered("near_miss", f"{other} or {answers[0]}", False,
-                         "padding: the gold answer listed among candidates"),
-                answered("hedged", f"maybe {answers[0]}", False, "a hedged answer"),
-                played_fixture(make, task, "initial", [*searches, Action.finish()], False,
-                               "finished without an answer"),
-                tampered_fixture(gold, lambda w: {**w, "searches": [
-                    {**s, "results": [*s["results"][::-1], "p9999"]} for s in w["searches"]]},
-                    "the logged search results were rewritten")]
-    return out
+        return [
+            gold, answered("alt_correct", variant, True, "an accepted spelling"),
+            answered("wrong_fix", other, False, "another entity's answer"),
+            answered("near_miss", f"{other} or {answers[0]}", False,
+                     "padding: the gold answer listed among candidates"),
+            answered("hedged", f"maybe {answers[0]}", False, "a hedged answer"),
+            play("initial", [*searches, Action.finish()], False, "finished without an answer"),
+            tampered_fixture(gold, lambda w: {**w, "searches": [
+                {**s, "results": [*s["results"][::-1], "p9999"]} for s in w["searches"]]},
+                "the logged search results were rewritten")]
+
+    ids = task_ids or first_tasks(CATALOG, ENV_ID, TEMPLATES, 2)
+    return fixtures_per_task(SearchQARules, CATALOG, ids, build)
 
 
 @cache
@@ -109,9 +110,7 @@ def searchqa_package() -> EnvPackage:
         env_id=ENV_ID, rules=SearchQARules, catalog=CATALOG, make_verifier=make_verifier,
         tool_schemas=TOOL_SCHEMAS, system_prompt=SYSTEM_PROMPT, action_sampler=sample_action,
         fork_probe=fork_probe,
-        scripted={"expert": lambda task_id, seed, rate: SearchQAExpert(CATALOG.task(task_id),
-                                                                       seed),
-                  "noisy": lambda task_id, seed, rate: SearchQAExpert(CATALOG.task(task_id),
-                                                                      seed, rate)},
+        scripted=expert_and_noisy(
+            lambda task_id, seed, rate: SearchQAExpert(CATALOG.task(task_id), seed, rate)),
         fixtures=fixtures,
-        description="SearchQA (seed 004): search a shipped corpus with BM25, answer strictly.")
+        description="SearchQA: search a shipped corpus with BM25, answer strictly.")

@@ -1,4 +1,4 @@
-"""SearchQA dynamics (seed 004's ReAct environment): ``search`` the local corpus, then ``answer``.
+"""SearchQA dynamics (a ReAct environment): ``search`` the local corpus, then ``answer``.
 
 World: the ``question``, the ``searches`` made (each ``{"query", "results"}`` with the passage
 ids returned) and the ``answer`` (``None`` until given). Each action costs one unit.

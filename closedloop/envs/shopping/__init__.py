@@ -1,4 +1,4 @@
-"""The shopping simulator (seed 001): search, open an item, select options, go back, buy; the
+"""The shopping simulator: search, open an item, select options, go back, buy; the
 purchase, checked against a hidden structured request, is the outcome. The package is
 ``shopping_package`` (``closedloop.envs.shopping.package``).
 """

@@ -2,18 +2,18 @@
 
 ``ShoppingExpert`` reads the request from the first observation, searches for the product noun,
 keeps the listed items whose price and rating fit, opens them one by one, goes back from any
-item that lacks the colour or the size or whose surcharge breaks the limit (the recovery seed 001
-describes), and on a fitting item selects colour and size and buys. It knows nothing hidden.
+item that lacks the colour or the size or whose surcharge breaks the limit (a recovery from a
+mistake), and on a fitting item selects colour and size and buys. It knows nothing hidden.
 ``noise_rate`` is the probability, before each of its actions, of one recoverable mistake:
 opening an item that fails the listing filter (then going back), or a malformed call.
 """
 
 from __future__ import annotations
 
-import random
 import re
 
 from closedloop.contracts import Action
+from closedloop.envs.sim.experts import ObservingExpert
 
 _REQUEST_RE = re.compile(r"Buy an? (\w+) (.+?) in size (\S+) for at most \$(\d+) \(size "
                          r"surcharge included\), rated at least ([\d.]+) stars\.")
@@ -23,36 +23,33 @@ _PAGE_RE = re.compile(r"^(item_\d+): .*?Price \$(\d+)\. Rating ([\d.]+) stars\. 
 _SIZE_RE = re.compile(r"^(\S+)(?: \(\+\$(\d+)\))?$")
 
 
-class ShoppingExpert:
+class ShoppingExpert(ObservingExpert):
     """Plays one episode from observations (see the module docstring)."""
 
     def __init__(self, seed: int = 0, noise_rate: float = 0.0) -> None:
-        if not 0.0 <= noise_rate <= 1.0:
-            raise ValueError(f"noise_rate must be in [0, 1], got {noise_rate}")
-        self._rng = random.Random(f"shopping-expert/{seed}")
-        self.noise_rate = noise_rate
+        super().__init__("shopping-expert", seed, noise_rate)
         self._want: tuple[str, str, str, int, float] | None = None
         self._queue: list[str] = []
         self._rejects: list[str] = []
-        self._plan: list[Action] = []
+        self._pending: list[Action] = []
         self._searched = False
 
-    def act(self, observation: str) -> Action | str:
-        """The next action for ``observation``."""
+    def _observe(self, observation: str) -> Action | str | None:
+        """Read the request from the first observation (``abstain`` if there is none)."""
         if self._want is None:
             m = _REQUEST_RE.search(observation)
             if m is None:
                 return Action.abstain()
             self._want = (m[1], m[2], m[3], int(m[4]), float(m[5]))
-        action = self._next(observation, *self._want)
-        if action.kind == "tool" and self._rng.random() < self.noise_rate:
-            return self._mistake(action)
-        return action
+        return None
+
+    def _plan(self, observation: str) -> Action:
+        return Action.abstain() if self._want is None else self._next(observation, *self._want)
 
     def _next(self, observation: str, colour: str, noun: str, size: str, limit: int,
               rating: float) -> Action:
-        if self._plan:
-            return self._plan.pop(0)
+        if self._pending:
+            return self._pending.pop(0)
         if not self._searched:
             self._searched = True
             return Action.tool("search", query=noun)
@@ -65,7 +62,8 @@ class ShoppingExpert:
             sizes = dict(_size(s) for s in page[5].split(", "))
             if colour in page[4].split(", ") and size in sizes and float(page[3]) >= rating \
                     and int(page[2]) + sizes[size] <= limit:
-                self._plan = [Action.tool("select", option="size", value=size), Action.tool("buy")]
+                self._pending = [Action.tool("select", option="size", value=size),
+                                 Action.tool("buy")]
                 return Action.tool("select", option="color", value=colour)
             return Action.tool("back")
         if self._queue:
@@ -76,7 +74,7 @@ class ShoppingExpert:
         if planned.name == "open_item" and self._rejects:
             self._queue.insert(0, str(planned.args["item_id"]))
             return Action.tool("open_item", item_id=self._rejects.pop(0))
-        self._plan.insert(0, planned)
+        self._pending.insert(0, planned)
         return planned.canonical_text()[:-5]  # an unclosed call
 
 

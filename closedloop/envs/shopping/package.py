@@ -16,13 +16,20 @@ from functools import cache
 from typing import Any
 
 from closedloop.contracts import Action
+from closedloop.contracts.fixture import AdjudicatedFixture
 from closedloop.contracts.package import EnvPackage
 from closedloop.envs.shopping.expert import ShoppingExpert
 from closedloop.envs.shopping.rules import TOOLS, ShoppingRules, world_catalog
 from closedloop.envs.shopping.tasks import CATALOG, CATEGORIES, satisfies
 from closedloop.envs.shopping.verifier import make_verifier
 from closedloop.envs.sim.catalog import SimTask
-from closedloop.envs.sim.env import SimEnv
+from closedloop.envs.sim.experts import expert_and_noisy
+from closedloop.envs.sim.fixtures import (
+    Play,
+    first_tasks,
+    fixtures_per_task,
+    tampered_fixture,
+)
 from closedloop.envs.sim.package import sim_package
 
 ENV_ID = "shopping-v1"
@@ -94,40 +101,31 @@ def _buy(item: dict[str, Any], colour: str, size: str) -> list[Action]:
             Action.tool("select", option="size", value=size), Action.tool("buy")]
 
 
-def fixtures(task_ids: tuple[str, ...] | None) -> list[Any]:
+def fixtures(task_ids: tuple[str, ...] | None) -> list[AdjudicatedFixture]:
     """Adjudicated fixtures (see the module docstring); default: three tasks per template (36
     positives, 54 negatives: enough for the FP/FN gate's bounds at zero errors)."""
-    from closedloop.envs.sim.fixtures import played_fixture, tampered_fixture
-
-    ids = task_ids or tuple(CATALOG.generate("shopping-v1", t, i).task_id
-                            for t in CATEGORIES for i in range(3))
-    make = lambda: SimEnv(ShoppingRules())  # noqa: E731
-    out = []
-    for task_id in ids:
-        task = CATALOG.task(task_id)
+    def build(task: SimTask, play: Play) -> list[AdjudicatedFixture]:
         want = task.hidden["want"]
         good, decoy = _good_and_decoy(task)
         search = Action.tool("search", query=CATEGORIES[task.template][0])
-        gold = played_fixture(make, task, "gold", [search, *_buy(good, want["color"],
-                                                                 want["size"])],
-                              True, "the one item meeting every constraint, as asked")
+        gold = play("gold", [search, *_buy(good, want["color"], want["size"])],
+                    True, "the one item meeting every constraint, as asked")
         wrong_size = next(s for s in good["sizes"] if s != want["size"])
-        out += [gold, played_fixture(
-            make, task, "alt_correct", [search, Action.tool("open_item", item_id=decoy["id"]),
-                                        Action.tool("back"),
-                                        *_buy(good, want["color"], want["size"])],
-            True, "a decoy opened, left by back, then the right item bought"),
-            played_fixture(make, task, "wrong_fix", [search, *_buy(decoy, want["color"],
-                                                                   want["size"])],
-                           False, "a decoy that breaks one constraint was bought"),
-            played_fixture(make, task, "near_miss", [search, *_buy(good, want["color"],
-                                                                   wrong_size)],
-                           False, "the right item in a size the request did not ask for"),
-            played_fixture(make, task, "initial", [search, Action.finish()], False,
-                           "finished without buying"),
+        return [
+            gold,
+            play("alt_correct", [search, Action.tool("open_item", item_id=decoy["id"]),
+                                 Action.tool("back"), *_buy(good, want["color"], want["size"])],
+                 True, "a decoy opened, left by back, then the right item bought"),
+            play("wrong_fix", [search, *_buy(decoy, want["color"], want["size"])],
+                 False, "a decoy that breaks one constraint was bought"),
+            play("near_miss", [search, *_buy(good, want["color"], wrong_size)],
+                 False, "the right item in a size the request did not ask for"),
+            play("initial", [search, Action.finish()], False, "finished without buying"),
             tampered_fixture(gold, lambda w: {**w, "purchase": {**w["purchase"], "price": 1}},
                              "the purchase price in the exported world was rewritten")]
-    return out
+
+    ids = task_ids or first_tasks(CATALOG, ENV_ID, CATEGORIES, 3)
+    return fixtures_per_task(ShoppingRules, CATALOG, ids, build)
 
 
 @cache
@@ -137,8 +135,7 @@ def shopping_package() -> EnvPackage:
         env_id=ENV_ID, rules=ShoppingRules, catalog=CATALOG, make_verifier=make_verifier,
         tool_schemas=TOOL_SCHEMAS, system_prompt=SYSTEM_PROMPT, action_sampler=sample_action,
         fork_probe=fork_probe,
-        scripted={"expert": lambda task_id, seed, rate: ShoppingExpert(seed),
-                  "noisy": lambda task_id, seed, rate: ShoppingExpert(seed, rate)},
+        scripted=expert_and_noisy(lambda task_id, seed, rate: ShoppingExpert(seed, rate)),
         fixtures=fixtures,
-        description="Shopping simulator (seed 001): search, open, select, back, buy; a "
+        description="Shopping simulator: search, open, select, back, buy; a "
                     "constraint-checked purchase as the hidden outcome.")

@@ -1,5 +1,5 @@
-"""Shopping tasks (seed 001's running example): family ``shopping-v1``, one template per
-product category.
+"""Shopping tasks (docs/environments.md, built-in packages): family ``shopping-v1``, one template
+per product category.
 
 A task is a small catalog and a request: buy a product of one category in a given colour and
 size, at most a price (the size surcharge included), rated at least so many stars. Public data

@@ -34,7 +34,7 @@ from closedloop.contracts import (
 )
 from closedloop.contracts.package import Outcome, Rules
 from closedloop.envs.sim.state import MAX_LOG, SimCounters, SimState, decode_sim_state
-from closedloop.envs.snapshots import SnapshotBook
+from closedloop.envs.snapshots import BookedEnv, SnapshotBook
 from closedloop.errors import (
     ActionParseError,
     ContractError,
@@ -68,7 +68,7 @@ def _check_sealed(ref: SnapshotRef, data: bytes) -> None:
         raise SnapshotMismatchError(f"sealed snapshot {ref.snapshot_id!r} bytes changed")
 
 
-class SimEnv:
+class SimEnv(BookedEnv[SimState]):
     """An ``AgentEnv`` over ``rules`` (see the module docstring for the contract)."""
 
     def __init__(self, rules: Rules, *, _store: SnapshotBook[SimState] | None = None) -> None:
@@ -148,20 +148,7 @@ class SimEnv:
     def fork(self, snapshot: SnapshotRef, branch_id: str) -> SimEnv:
         """An independent env at ``snapshot``; ``branch_id`` never changes the state."""
         self._refuse("fork")
-        if not isinstance(branch_id, str):
-            raise ContractError("branch_id must be a string")
-        child = SimEnv(self.rules, _store=self._store.branch())
-        child.restore(snapshot)
-        child.branch_id = branch_id
-        return child
-
-    def sealed_terminal(self) -> SnapshotRef:
-        """The sealed snapshot of the terminal state (``EpisodeNotDoneError`` before the end)."""
-        return self._store.sealed_terminal()
-
-    def export_sealed(self, ref: SnapshotRef) -> bytes:
-        """The bytes of a sealed snapshot, checked against the reference's hashes."""
-        return self._store.export_sealed(ref)
+        return self.fork_from(lambda book: SimEnv(self.rules, _store=book), snapshot, branch_id)
 
     def _refuse(self, what: str) -> None:
         reason = getattr(self.rules, "snapshot_refusal", None)

@@ -12,7 +12,7 @@
   public world data (a clue the model has not yet been shown) nor the hidden data.
 
 Everything environment-specific (rules, verifier, scaffold, sampler, probe, scripted policies,
-fixtures) is passed in.
+fixtures) is passed in; ``closedloop.envs.sim.simple.rules_package`` derives most of it.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def catalog_task_info(catalog: TaskCatalog, task_id: str) -> TaskInfo:
 
 def sim_package(*, env_id: str, rules: Callable[[], Rules], catalog: TaskCatalog,
                 make_verifier: Callable[[], Any], tool_schemas: tuple[Mapping[str, Any], ...],
-                system_prompt: str, action_sampler: ActionSampler, fork_probe: ForkProbe,
+                system_prompt: str, action_sampler: ActionSampler, fork_probe: ForkProbe | None,
                 scripted: Mapping[str, ScriptedFactory],
                 fixtures: Callable[[tuple[str, ...] | None], Sequence[Any]] | None,
                 description: str) -> EnvPackage:

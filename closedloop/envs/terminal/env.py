@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from closedloop.contracts import Action, SnapshotRef, Termination, Transition, parse_action
-from closedloop.envs.snapshots import SnapshotBook
+from closedloop.envs.snapshots import BookedEnv, SnapshotBook
 from closedloop.envs.task_records import TaskSpec
 from closedloop.envs.terminal.sandbox import SandboxConfig, check_argv
 from closedloop.envs.terminal.tools import (
@@ -81,7 +81,7 @@ def decode_sealed(ref: SnapshotRef, data: bytes) -> ExportedState:
     return state
 
 
-class TerminalRepairEnv:
+class TerminalRepairEnv(BookedEnv[WorkspaceState]):
     """The terminal-repair environment. See the module docstring for the contract."""
 
     env_version: str = ENV_VERSION
@@ -194,23 +194,12 @@ class TerminalRepairEnv:
 
     def fork(self, snapshot: SnapshotRef, branch_id: str) -> TerminalRepairEnv:
         """Return an independent env at ``snapshot``; ``branch_id`` never touches the RNG."""
-        if not isinstance(branch_id, str):
-            raise ContractError("branch_id must be a string")
-        child = TerminalRepairEnv(self._task_source, self.config, _store=self._store.branch())
-        child._ctx = self._ctx
-        child.restore(snapshot)
-        child.branch_id = branch_id
-        return child
+        def child(book: SnapshotBook[WorkspaceState]) -> TerminalRepairEnv:
+            env = TerminalRepairEnv(self._task_source, self.config, _store=book)
+            env._ctx = self._ctx
+            return env
 
-    # -- sealing ------------------------------------------------------------------------
-
-    def sealed_terminal(self) -> SnapshotRef:
-        """The sealed snapshot of the episode's terminal state (``EpisodeNotDoneError`` before)."""
-        return self._store.sealed_terminal()
-
-    def export_sealed(self, ref: SnapshotRef) -> bytes:
-        """Return a sealed snapshot's bytes after checking their hash and content against ref."""
-        return self._store.export_sealed(ref)
+        return self.fork_from(child, snapshot, branch_id)
 
     def _require_state(self) -> WorkspaceState:
         if self._state is None:

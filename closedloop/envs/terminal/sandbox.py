@@ -46,7 +46,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from closedloop.envs.terminal.sandbox_child import BOOT_FAILURE_EXIT
+from closedloop.envs.terminal.sandbox_child import BOOT_FAILURE_EXIT, world_accessible
 from closedloop.envs.terminal.workspace import FileTree, WorkspaceLimits, normalize_path
 from closedloop.errors import (
     SandboxCommandError,
@@ -193,19 +193,10 @@ def run_command(argv: Sequence[str], files: Mapping[str, str], *, timeout_s: flo
 def _stdlib_world_readable() -> bool:
     """Whether ``nobody`` could read the standard library (every ancestor world r-x)."""
     stdlib = sysconfig.get_path("stdlib")
-    for top in (stdlib, os.path.join(stdlib, "lib-dynload")):
-        path = os.path.realpath(top)
-        while True:
-            try:
-                if (os.stat(path).st_mode & 0o005) != 0o005:
-                    return False
-            except OSError:
-                return False
-            parent = os.path.dirname(path)
-            if parent == path:
-                break
-            path = parent
-    return True
+    try:
+        return world_accessible([stdlib, os.path.join(stdlib, "lib-dynload")])
+    except OSError:
+        return False
 
 
 def _prepare_root(root: Path, files: Mapping[str, str], cfg: SandboxConfig) -> bool:

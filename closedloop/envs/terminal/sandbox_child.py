@@ -56,7 +56,7 @@ def _boot() -> None:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         log_fd = posix.open(root + "/refusals.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND,
                             0o666)
-        if drop_uid >= 0 and _world_accessible([p for p in sys.path if p]):
+        if drop_uid >= 0 and world_accessible([p for p in sys.path if p]):
             os.setgroups([])
             os.setgid(drop_uid)
             os.setuid(drop_uid)
@@ -85,8 +85,13 @@ def _neutralize_fork_exec() -> None:
     setattr(_posixsubprocess, "fork_exec", refuse)  # noqa: B010 - typeshed pins the signature
 
 
-def _world_accessible(paths: list[str]) -> bool:
-    """Whether ``nobody`` could still read these directories (every ancestor world r-x)."""
+def world_accessible(paths: list[str]) -> bool:
+    """Whether ``nobody`` could read these directories: each one (links resolved) and every
+    ancestor up to ``/`` is world r-x (mode & 0o005). A path that is not a directory is
+    skipped; an ancestor that cannot be stat'ed raises ``OSError`` (the child's bootstrap then
+    fails closed; the parent counts it as not accessible). The one copy of this walk: the
+    parent (``sandbox``) imports it to decide whether to drop privileges, the child runs it
+    again on its own ``sys.path`` before dropping them."""
     for top in paths:
         path = os.path.realpath(top)
         if not os.path.isdir(path):

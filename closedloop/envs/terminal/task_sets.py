@@ -1,8 +1,9 @@
-"""Train / held-out task sets, split by template, with a solvability filter (seed 003).
+"""Train / held-out task sets, split by template, with a solvability filter (docs/concepts.md,
+held-out evaluation).
 
 Each family assigns its templates to ``train`` or ``heldout`` (``TaskFamily.heldout_templates``),
 so the two sets are template-disjoint: held-out success measures transfer to a kind of breakage
-never trained on, not recall of a few changed numbers (seed 000 §7, ``template_disjoint``).
+never trained on, not recall of a few changed numbers (``template_disjoint``).
 
 Disjointness is at the *base* template level: a leveled template ``<base>.<level>`` is held
 out iff its base is, so no kind of breakage is trained on at any hint level and evaluated at

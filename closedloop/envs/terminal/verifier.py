@@ -1,4 +1,5 @@
-"""The clean-room verifier: reward vectors from exported state bytes (seed 000 §2, §4).
+"""The clean-room verifier: reward vectors from exported state bytes (docs/concepts.md,
+clean-room verification).
 
 ``Verifier.score(task_id, final_state)`` reads only the exported state bytes (decoded and
 hash-checked by ``closedloop.envs.terminal.workspace.decode_state``) and the task's hidden grader

@@ -1,7 +1,8 @@
-"""Go/no-go gates (seed 000 §7): named checks with a verdict and evidence, from a run directory.
+"""Go/no-go gates (docs/concepts.md, go/no-go gates): named checks with a verdict and evidence,
+from a run directory.
 
-Every gate of seed 000's list is one function ``(RunDir, GateOptions) -> Gate``, in the seed's
-order (:data:`GATES`), plus ``trace_records_valid`` first. The seed's "independent toy-logit
+Every gate of the go/no-go list is one function ``(RunDir, GateOptions) -> Gate``, in the list's
+order (:data:`GATES`), plus ``trace_records_valid`` first. The list's "independent toy-logit
 test" is not a gate: it decides nothing about a run, and is a unit test of the objectives
 (``tests/learn/test_objectives.py``). A gate reads the run's own files
 (traces, ledger, registry, checkpoints, metrics, config) or re-executes part of the run
@@ -85,7 +86,7 @@ def main_run_of(path: str | Path) -> Path:
 
 def evaluate_gates(run_dir: str | Path, options: GateOptions | None = None,
                    only: Sequence[str] | None = None) -> GateReport:
-    """Evaluate every gate (or the named ones, in the seed's order) on a run directory.
+    """Evaluate every gate (or the named ones, in the list's order) on a run directory.
 
     Raises ``RunDirError`` when ``run_dir`` is not a run directory and ``UnknownGateError``
     (a ``KeyError``) for an unknown gate name. A gate that raises fails with the error as its

@@ -6,7 +6,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from closedloop.errors import InvalidObjectiveError, UnknownObjectiveError
 from closedloop.evaluate.rundir import RunDir
+from closedloop.learn.objectives import get_objective
 
 __all__ = ["Gate", "GateFn", "GateOptions", "GateReport", "make_gate"]
 
@@ -39,7 +41,7 @@ class Gate:
 
 @dataclass(frozen=True)
 class GateReport:
-    """The gates of one run, in the seed's order.
+    """The gates of one run, in the go/no-go list's order (docs/gates.md).
 
     ``not_evaluated`` names the gates of the full list that were left out (``only=``): a
     partial report never counts as all passed.
@@ -114,3 +116,14 @@ def make_gate(name: str, problems: Sequence[str], evidence: Mapping[str, Any], o
     return Gate(name, True, evidence, ok_detail)
 
 
+
+
+def ratio_free(objective: str) -> bool:
+    """Whether a run's objective (its ``update.objective``: a registered name or a dotted path)
+    has no ratio against π_beh, as the objective itself says (``uses_ratio``). One that cannot
+    be resolved here (a dotted path no longer importable) counts as ratio-free, so the stricter
+    checks apply (fail closed)."""
+    try:
+        return not get_objective(objective).uses_ratio
+    except (UnknownObjectiveError, InvalidObjectiveError):
+        return True

@@ -9,8 +9,8 @@ What a package does not offer is said by name: an env that is not a ``SealingEnv
 (the seal checks do not apply, and the detail says so); a package without fixtures leaves the
 FP/FN gate not measured.
 
-Preregistered verifier bounds (seed 000 §7, "the verifier passes preregistered FP/FN gates with
-denominators and confidence intervals"): the upper end of the Wilson 95% interval of the FP rate
+Preregistered verifier bounds (docs/concepts.md, verifier FP/FN audit: FP/FN gates with
+denominators and confidence intervals): the upper end of the Wilson 95% interval of the FP rate
 must be at most :data:`FP_UPPER_BOUND` and of the FN rate at most :data:`FN_UPPER_BOUND`, every
 tamper fixture must be quarantined, and the audit must cover every verifier version that scored
 the run. A false positive reinforces a wrong artifact, so its bound is the tighter one. With the

@@ -10,7 +10,13 @@ from typing import Any
 
 from closedloop.contracts import TrajectoryRecord
 from closedloop.errors import CheckpointCorruptError, RegistryError
-from closedloop.evaluate.gates.base import MAX_LISTED, Gate, GateOptions, make_gate
+from closedloop.evaluate.gates.base import (
+    MAX_LISTED,
+    Gate,
+    GateOptions,
+    make_gate,
+    ratio_free,
+)
 from closedloop.evaluate.rundir import RunDir
 from closedloop.learn.checkpoint import Checkpoint, list_checkpoints
 from closedloop.learn.checkpoint import load_checkpoint as _load_checkpoint
@@ -279,9 +285,11 @@ def gate_policy_roles(run: RunDir, opts: GateOptions) -> Gate:
             problems.append(f"trainer.json lacks {key}")
         elif update.get(key) is not None and trainer[key] != update.get(key):
             problems.append(f"trainer.json {key}={trainer[key]!r} but config {update.get(key)!r}")
-    if (update.get("objective") == "reinforce_with_kl"
+    objective = update.get("objective")
+    if (objective is not None and ratio_free(str(objective))
             and update.get("optimizer_steps_per_fresh_batch", 1) != 1):
-        problems.append("reinforce_with_kl needs π_prox = π_beh: one optimizer step per batch")
+        problems.append(f"{objective} has no ratio, so it needs π_prox = π_beh: one optimizer "
+                        "step per batch")
     if update.get("reference_policy") == "initial_sft" and not run.section("sft").get(
             "enabled", False):
         problems.append("reference_policy initial_sft but no SFT warm start")

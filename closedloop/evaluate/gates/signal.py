@@ -1,13 +1,15 @@
 """Gates on whether the RL arm's update was valid and informative, read from the run's metrics.
 
-``ratio_on_policy``: a ratio-free objective (``reinforce_with_kl``) is the policy gradient only
+``ratio_on_policy``: a ratio-free objective (``uses_ratio`` False: ``reinforce_with_kl``) is the
+policy gradient only
 when the batch was sampled by the policy being trained, i.e. πθ/π_beh = 1 on every action token
 of a fresh synchronous batch. Each RL step logs, over the batch's action tokens,
 ``ratio/abs_log_ratio_max`` = max_t |log πθ(a_t) − log π_beh(a_t)| and
 ``ratio/abs_log_ratio_p99`` = the exact 0.99 quantile of the same values
 (``closedloop.learn.objectives``). The gate fails when
 
-- the trainer scored at another temperature than the sampler drew at (design.md §7, failure 22);
+- the trainer scored at another temperature than the sampler drew at (docs/concepts.md,
+  tempered scoring);
 - float32 (or any run not audited against the bf16 same-engine baseline): a step's max exceeds
   τ = ``consistency.max_abs_log_ratio``;
 - bfloat16 run audited against the bf16 same-engine baseline: a step's p99 exceeds
@@ -46,10 +48,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from closedloop.evaluate.gates.base import Gate, GateOptions
+from closedloop.evaluate.gates.base import Gate, GateOptions, ratio_free
 from closedloop.evaluate.rundir import RunDir, eval_summary
 
-RATIO_FREE_OBJECTIVES = ("reinforce_with_kl",)
 DEFAULT_MAX_ABS_LOG_RATIO = 1e-3
 MAX_KEY = "ratio/abs_log_ratio_max"
 P99_KEY = "ratio/abs_log_ratio_p99"
@@ -192,7 +193,7 @@ def gate_ratio_on_policy(run: RunDir, opts: GateOptions) -> Gate:
                                 "tolerance": bound.tolerance, "tolerance_source": bound.source,
                                 "sampler_temperature": sampled_t,
                                 "trainer_temperature": scored_t}
-    if objective not in RATIO_FREE_OBJECTIVES:
+    if not ratio_free(objective):
         return Gate("ratio_on_policy", True, evidence,
                     f"{objective} carries its own ratio: not a ratio-free objective",
                     applicable=False)

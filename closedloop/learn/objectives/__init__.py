@@ -1,4 +1,5 @@
-"""Policy-update objectives: one inputs record in, one output record out, chosen by name.
+"""Policy-update objectives: one inputs record in, one output record out, chosen by name or by
+a dotted path, extensible with ``register_objective(name, factory)``.
 
 Each satisfies :class:`closedloop.contracts.update.Objective`: it reads one
 :class:`~closedloop.contracts.update.ObjectiveInputs` (πθ, π_beh and π_ref log-probs,
@@ -11,13 +12,24 @@ gradient mass).
   ``normalized_ratio_clip`` (formulas in their docstrings);
 - :mod:`~closedloop.learn.objectives.diagnostics`: the KL term and the statistics every
   objective reports;
-- :mod:`~closedloop.learn.objectives.registry`: ``get_objective(name)`` and which objectives use
-  ratios (and so may reuse a batch for several optimizer steps).
+- :mod:`~closedloop.learn.objectives.registry`: ``register_objective(name, factory)``,
+  ``get_objective(name or "pkg.module:attr")`` and the objective contract a user objective
+  meets (its ``uses_ratio`` says whether it may reuse a batch for several optimizer steps).
 """
 
-from closedloop.errors import NonFiniteLogprobError, UnknownObjectiveError
+from closedloop.errors import (
+    InvalidObjectiveError,
+    NonFiniteLogprobError,
+    UnknownObjectiveError,
+)
 from closedloop.learn.objectives.diagnostics import ratio_stats, token_entropy
-from closedloop.learn.objectives.registry import OBJECTIVES, BoundObjective, get_objective
+from closedloop.learn.objectives.registry import (
+    OBJECTIVES,
+    BoundObjective,
+    ObjectiveFactory,
+    get_objective,
+    register_objective,
+)
 from closedloop.learn.objectives.surrogates import (
     ClipRange,
     Granularity,
@@ -31,12 +43,15 @@ __all__ = [
     "BoundObjective",
     "ClipRange",
     "Granularity",
+    "InvalidObjectiveError",
     "NonFiniteLogprobError",
+    "ObjectiveFactory",
     "UnknownObjectiveError",
     "get_objective",
     "normalized_ratio_clip",
     "ppo_clip",
     "ratio_stats",
+    "register_objective",
     "reinforce_with_kl",
     "token_entropy",
 ]

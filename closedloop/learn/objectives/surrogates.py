@@ -1,5 +1,5 @@
-"""The policy-gradient surrogates (seed 000 §6, seed 002 §11.4.3): REINFORCE + KL, token-level
-PPO clip, and the length-normalized ratio clip. Each takes one
+"""The policy-gradient surrogates (docs/concepts.md, three-policy contract): REINFORCE + KL,
+token-level PPO clip, and the length-normalized ratio clip. Each takes one
 :class:`~closedloop.contracts.update.ObjectiveInputs` (plus its own hyperparameters) and
 returns one :class:`~closedloop.contracts.update.ObjectiveOutput`.
 
@@ -53,7 +53,7 @@ class ClipRange:
 def reinforce_with_kl(inputs: ObjectiveInputs) -> ObjectiveOutput:
     """REINFORCE (+ KL): L = R_w(-A_i · log πθ(a_it)) + β · R_w(k(a_it)).
 
-    With ``reducer="episode_sum"`` the policy term is the seed's strict synchronous baseline
+    With ``reducer="episode_sum"`` the policy term is the strict synchronous baseline
     L_pg = -(1/B) Σ_i A_i Σ_{t∈M_i} log πθ(a_it): the score-function estimate for expected
     episode return. Any other reducer is a different surrogate.
 

@@ -1,4 +1,5 @@
-"""Train / held-out overlap audit (seed 000 §8.5 EvalFirewall, ``exact_and_semantic``).
+"""Train / held-out overlap audit (docs/concepts.md, held-out evaluation;
+``exact_and_semantic``).
 
 A task's *fingerprint text* is its objective followed by its workspace files (sorted by path,
 each prefixed by its path), normalized: lower-cased, every run of whitespace collapsed to one

@@ -1,4 +1,5 @@
-"""Retain suites: small, frozen, family-disjoint probes of general capability (seed 000 §8.2).
+"""Retain suites: small, frozen, family-disjoint probes of general capability (docs/concepts.md,
+held-out evaluation).
 
 Three versioned families, one suite each, never trained on (every template is held out, and
 none is in ``closedloop.envs.terminal.families.registry.FAMILIES``, so the default 48/16 sets never

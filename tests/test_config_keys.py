@@ -88,3 +88,25 @@ def test_ppo_clip_may_reuse_a_batch() -> None:
     cfg = parse_config(seed_with("update.objective", "ppo_clip",
                                  update__optimizer_steps_per_fresh_batch=3))
     assert cfg.update.optimizer_steps_per_fresh_batch == 3
+
+
+@pytest.mark.parametrize(("key", "value", "extra", "named"), [
+    ("rollout.top_p", 0.9, {"rollout__generator": "vllm", "update__objective": "ppo_clip"},
+     "rollout.top_p"),
+    ("rollout.generator", "vllm", {"training__precision": "bfloat16"}, "training.precision"),
+    ("rollout.generator", "vllm", {"rollout__workers": "ray"}, "rollout.workers"),
+    ("ray.env_worker_cpus", 0.0, {}, "ray.env_worker_cpus"),
+    ("ray.generator_workers", 0, {}, "ray.generator_workers"),
+])
+def test_scale_out_keys_refuse_what_they_cannot_honour(key: str, value: Any,
+                                                       extra: dict[str, Any], named: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(seed_with(key, value, **extra))
+    assert caught.value.key == named
+
+
+def test_scale_out_keys_parse() -> None:
+    cfg = parse_config(seed_with("rollout.workers", "ray", ray__env_workers=3,
+                                 ray__env_worker_cpus=0.5, ray__address="10.0.0.1:6379"))
+    assert cfg.rollout.workers == "ray" and cfg.ray.env_workers == 3
+    assert cfg.ray.address == "10.0.0.1:6379" and cfg.rollout.generator == "hf"

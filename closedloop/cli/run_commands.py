@@ -22,9 +22,13 @@ from closedloop.progress import phase_lines, phase_times, reset_phases
 
 def cmd_train(args: argparse.Namespace) -> int:
     """Run (or resume) a training run from a config file."""
-    from closedloop.config import load_config
+    from closedloop.config import load_config, parse_config
 
-    return _run_training(load_config(args.config), args)
+    cfg = load_config(args.config)
+    if getattr(args, "workers", None):  # where the RL steps' episodes run (docs/scale-out.md)
+        data = cfg.to_dict()
+        cfg = parse_config({**data, "rollout": {**data["rollout"], "workers": args.workers}})
+    return _run_training(cfg, args)
 
 
 def cmd_smoke(args: argparse.Namespace) -> int:

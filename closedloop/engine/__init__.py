@@ -63,6 +63,7 @@ from closedloop.engine.vllm_replica import (
     publish_proven,
     trainer_probe_reference,
 )
+from closedloop.engine.vllm_server import hash_model_folder
 from closedloop.errors import LogprobInputError, PrecisionError
 
 __all__ = [  # noqa: RUF022 -- grouped by topic, sorted within each group
@@ -83,5 +84,6 @@ __all__ = [  # noqa: RUF022 -- grouped by topic, sorted within each group
     "tune_allocator",
     # vLLM
     "EngineConfig", "LoraLayout", "Probe", "ReplicaProof", "VLLMEngine", "VLLMGenerator",
-    "VLLMReplica", "publish_proven", "trainer_probe_reference", "vllm_unavailable_reason",
+    "VLLMReplica", "hash_model_folder", "publish_proven", "trainer_probe_reference",
+    "vllm_unavailable_reason",
 ]

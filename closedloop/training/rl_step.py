@@ -22,6 +22,7 @@ from closedloop.rollout.collector import CollectedGroup
 from closedloop.rollout.ledger import GroupSummary
 from closedloop.rollout.tensors import build_training_batch
 from closedloop.training.resume import RunCheckpoints
+from closedloop.training.wiring import CollectorParts, make_collector
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,15 @@ class RunRLStep(RunCheckpoints):
             return [CollectedGroup(lease, tuple(sorted(by_group[lease.group_id],
                                                        key=lambda e: e.trajectory.sample_index)))
                     for lease in leases]
+        scale = self.scale_out()
+        if scale is not None:  # Ray workers or a vLLM engine (closedloop.training.scale_out)
+            from closedloop.training.scale_out import collect_traced
+
+            scale.hold(manifest)
+            lease = make_collector(self.model_source(manifest), manifest, CollectorParts(
+                self.renderer, self.verifier, self.run_id, None, self.cfg.environment.max_turns,
+                self.package)).make_lease
+            return collect_traced(scale, lease, manifest, path, self.step_groups(step))
         self.generator.rng.manual_seed(int(content_hash(["step", step])[7:15], 16))
         return self._collect(self.model_source(manifest), manifest, path,
                              self.step_groups(step), f"step {step} collect")

@@ -181,8 +181,11 @@ class TrainingRun(RunRLStep, RunEvaluation, RunWarmStart):
         self.pad_id = int(self.tokenizer.pad_token_id or 0)
 
     def close(self) -> None:
-        """Close the ledger and release the run directory."""
+        """Stop the scale-out workers, close the ledger and release the run directory."""
         try:
+            scale = getattr(self, "_scale_out", None)
+            if scale is not None:
+                scale.close()
             self.ledger.close()
         finally:
             self._lock.release()

@@ -87,8 +87,20 @@ class RunPolicy(RunState):
         # (computed above by manifest_for): hashing the 135M base again would cost ~0.7 s.
         self.generator.refresh_weights(template.weight_checksum)
         self.registry.ack(GENERATOR_WORKER, version, self.generator.weight_checksum)
-        self.registry.publish(version, require_acks_from=[GENERATOR_WORKER])
+        scale = self.scale_out()  # Ray or vLLM workers prove the version too
+        extra = [] if scale is None else scale.publish(version, adapter,
+                                                       template.weight_checksum)
+        self.registry.publish(version, require_acks_from=[GENERATOR_WORKER, *extra])
         return manifest
+
+    def scale_out(self) -> Any:
+        """The RL steps' Ray workers or vLLM engine (``closedloop.training.scale_out``),
+        started on first use; None for the in-process generator."""
+        if not hasattr(self, "_scale_out"):
+            from closedloop.training.scale_out import make_scale_out
+
+            self._scale_out = make_scale_out(self)
+        return self._scale_out
 
     def load_version(self, version: str) -> PolicyManifest:
         """Load a published version's adapter into the policy and the generator (to evaluate

@@ -110,6 +110,7 @@ class VLLMEngine:
         self.config = config
         self.log_path = Path(log_path) if log_path else None
         self._ids = itertools.count(1)
+        self._lora_ids = itertools.count(1)
         self._lock = threading.Lock()
         self._lines: queue.Queue[str | None] = queue.Queue()
         self._log: IO[bytes] | None = None
@@ -159,6 +160,12 @@ class VLLMEngine:
     def base_digests(self) -> dict[str, str]:
         """Per-tensor digests of those weights."""
         return dict(self.hello["base_digests"])
+
+    def new_lora_id(self) -> int:
+        """An adapter id this engine has never been given: vLLM caches adapters by int id,
+        so an id used before would serve whatever weights it first loaded under it."""
+        with self._lock:
+            return next(self._lora_ids)
 
     @property
     def alive(self) -> bool:

@@ -27,7 +27,6 @@ show:
 
 from __future__ import annotations
 
-import itertools
 import json
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -190,11 +189,10 @@ class VLLMReplica:
         self.layout = layout
         self.scratch = Path(scratch)
         self.tolerance = tolerance
-        self._ids = itertools.count(1)
 
     def _fresh_slot(self, version: str, folder: Path, checksum: str) -> AdapterSlot:
         """A (name, id) the engine has never seen: a cached id would serve its old weights."""
-        lora_id = next(self._ids)
+        lora_id = self.generator.engine.new_lora_id()
         return AdapterSlot(version, f"{version}#{lora_id}", lora_id, folder, checksum)
 
     def load_version(self, registry: PolicyRegistry, version: str, probe: Probe,

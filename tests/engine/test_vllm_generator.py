@@ -14,6 +14,7 @@ the temperature (vLLM's default raw mode) fail the ratio gate.
 from __future__ import annotations
 
 import json
+import math
 import stat
 from dataclasses import replace
 from pathlib import Path
@@ -148,7 +149,7 @@ def world(tmp_path_factory):
         engine.close()
         raise
     try:
-        yield dict(tok=tok, policy=policy, engine=engine, generator=generator,
+        yield dict(tok=tok, policy=policy, engine=engine, generator=generator, root=root,
                    base_episodes=base_episodes,
                    replica=replica, registry=registry, renderer=renderer, run=run,
                    manifest=manifest, probe=probe)
@@ -233,9 +234,11 @@ def _ratio_run(metrics_list):
 
 
 def _trainer_ratio_metrics(policy, episodes):
-    trainer = Trainer(policy, TrainerConfig(temperature=T, kl_beta=0.0))
+    # learning rate 0 and no clipping: the step scores the batch and leaves the weights be
+    trainer = Trainer(policy, TrainerConfig(temperature=T, kl_beta=0.0, learning_rate=0.0,
+                                            max_grad_norm=math.inf))
     batch = build_training_batch(episodes)
-    metrics, _, _ = trainer.accumulate_gradients(batch, torch.linspace(-1, 1, len(episodes)))
+    metrics = trainer.step(batch, torch.linspace(-1, 1, len(episodes))).metrics
     trainer.optimizer.zero_grad(set_to_none=True)
     return metrics
 
@@ -329,3 +332,50 @@ def test_a_corrupt_delivery_and_an_old_version_in_flight(world, monkeypatch):
     gen.close(sid)
     assert pinned.lora_id not in set(w["engine"].call("list_loras")["loras"])
 
+
+
+class _SharedEngine:
+    """The module's engine handed to a run, which must not stop it at its end."""
+
+    def __init__(self, engine):
+        self._engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def close(self):
+        pass
+
+
+@needs_vllm
+@pytest.mark.slow  # a one-step tiny run whose RL step samples through the module's engine
+def test_a_run_samples_its_rl_steps_through_the_engine(world, tmp_path, monkeypatch):
+    import closedloop.engine as engine_pkg
+    from closedloop.config import parse_config
+    from closedloop.training.loop import train
+
+    monkeypatch.setattr(engine_pkg, "VLLMEngine", lambda *a, **k: _SharedEngine(world["engine"]))
+    data = {"model": str(world["root"] / "model"),
+            "environment": {"train_tasks": 2, "heldout_tasks": 2, "max_turns": 3},
+            "rollout": {"group_size": 4, "max_action_tokens": 12, "temperature": T,
+                        "generator": "vllm"},
+            "credit": {"censor_rule": "drop_censored"},
+            "update": {"reference_policy": "initial"},
+            "evaluation": {"attempts_per_task": 1, "retain_suites": [], "curve_points": 2,
+                           "environment_family_disjoint": False,
+                           "cold_start_train_eval": False},
+            "training": {"rl_steps": 1, "groups_per_step": 2, "seed": 0,
+                         "lora_rank": 4, "lora_alpha": 8, "lora_targets": list(TARGETS),
+                         "precision": "float32"},
+            "vllm": {"probe_tokens": 8}, "sft": {"enabled": False}}
+    train(parse_config(data), tmp_path / "run", final_retain=False)
+    run = load_run(tmp_path / "run")
+    proofs = run.metrics_of("replica_proof")
+    assert [p["label"] for p in proofs] == ["v0000", "v0001"] and all(p["proven"] for p in proofs)
+    (audit,) = run.metrics_of("generator_audit")
+    assert audit["passed"] and audit["compared"] == "behavior" and audit["n_tokens"] > 20
+    builds = {t["generator_build"] for t in run.traces["step-0000"].raw("turn")}
+    assert builds == {"vllm:0.32.0/float32/processed_logprobs"}
+    assert gate_weight_checksums(run, GateOptions()).passed is True
+    acks = sorted(p.name for p in (tmp_path / "run" / "registry" / "acks" / "v0001").iterdir())
+    assert acks == ["generator-0.json", "vllm-0.json"]

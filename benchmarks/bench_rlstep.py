@@ -1,15 +1,15 @@
 """Benchmark (not a test): one RL step's wall time split into collect / verify / update / publish.
 
-Runs ``closedloop.training.TrainingRun`` on the smoke configuration scaled down (embedded model,
-temperature 0.7, ``drop_censored``, ``--groups`` groups of G=``--group`` per step,
-``--max-turns`` turns, ``--action`` max action tokens, a ``--sft-demos`` x 2 epochs warm start
-so that episodes end and get verified) in a temporary run directory: attach the RL adapter,
-publish v0000, then ``rl_step`` until ``--steps`` steps have made an update (at most
-``--max-tries`` steps: a step whose groups are all censored or zero-variance has nothing to
-update, and is reported as such). Each step's ``seconds`` (collect_s, admit_s, update_s,
-publish_s) come from the step report (the metrics.jsonl ``rl_step`` line); verification runs
-inside collect, so ``verify_s`` (and decode/env/bookkeeping) are summed from the step's trace
-timings.
+Runs a training run (``closedloop.training.run.open_run`` and its roles) on the smoke
+configuration scaled down (embedded model, temperature 0.7, ``drop_censored``, ``--groups``
+groups of G=``--group`` per step, ``--max-turns`` turns, ``--action`` max action tokens, a
+``--sft-demos`` x 2 epochs warm start so that episodes end and get verified) in a temporary run
+directory: attach the roles, publish v0000, then ``rl_step`` until ``--steps`` steps have made
+an update (at most ``--max-tries`` steps: a step whose groups are all censored or zero-variance
+has nothing to update, and is reported as such). Each step's ``seconds`` (collect_s, admit_s,
+update_s, publish_s) come from the step report (the metrics.jsonl ``rl_step`` line); the
+verifier step runs within collect_s (after the rollout), so ``verify_s`` (and
+decode/env/bookkeeping) are summed from the step's trace timings.
 
     .venv/bin/python benchmarks/bench_rlstep.py [--steps 1] [--max-tries 3] [--group 8]
         [--groups 2] [--sft-demos 16] [--max-turns 8] [--action 96] [--threads 1] [--quick]
@@ -30,7 +30,9 @@ from _common import emit, machine_label, set_threads
 from closedloop.config import RunConfig, smoke_config
 from closedloop.contracts import load_episodes
 from closedloop.policy.registry import version_name
-from closedloop.training import TrainingRun
+from closedloop.training.rl_step import rl_step
+from closedloop.training.run import attach_roles, open_run, publish
+from closedloop.training.warm_start import warm_start
 
 PARTS = ("collect_s", "admit_s", "update_s", "publish_s")
 TRACE_KEYS = ("decode_s", "env_s", "render_s", "bookkeeping_s", "reset_s", "verify_s")
@@ -71,12 +73,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     out: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        run = TrainingRun(cfg, Path(tmp) / "bench-run")
+        run = open_run(cfg, Path(tmp) / "bench-run")
         try:
             if cfg.sft.enabled:
-                run.warm_start()
-            run.attach_rl_adapter()
-            run.publish(version_name(0))
+                warm_start(run)
+            attach_roles(run)
+            publish(run, version_name(0))
             print(f"[rlstep] set-up (tasks, model, {args.sft_demos} SFT demos x "
                   f"{cfg.sft.epochs} epochs, adapter, publish v0000) "
                   f"{time.perf_counter() - t0:.1f}s; {args.groups} group(s) x G={args.group}, "
@@ -86,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 if updated >= args.steps:
                     break
                 t1 = time.perf_counter()
-                report = run.rl_step(step)
+                report = rl_step(run, step)
                 wall = time.perf_counter() - t1
                 _, eps = load_episodes(run.dir / "traces" / f"step-{step:04d}.jsonl")
                 tr = {k: sum(e.trajectory.timings.get(k, 0.0) for e in eps) for k in TRACE_KEYS}

@@ -113,8 +113,8 @@ def collect_demonstrations(n: int, max_turns: int, tokenizer: Any, rate: float,
 
 
 def lora_model(quick: bool, tokenizer: Any) -> Any:
-    """The embedded model (gguf quantizer removed, as ``TrainingRun`` does) or, with ``quick``,
-    the tiny random one; either with the run's LoRA adapter, in train mode."""
+    """The embedded model (gguf quantizer removed, as ``training.run.load_policy`` does) or,
+    with ``quick``, the tiny random one; either with the run's LoRA adapter, in train mode."""
     train = TrainingSection()
     if quick:
         base = build_tiny_model(tokenizer)

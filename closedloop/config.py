@@ -70,14 +70,19 @@ class EnvironmentSection:
 
 @dataclass(frozen=True)
 class RolloutSection:
-    """Collection semantics (only the synchronous, pinned-policy mode is implemented)."""
+    """Collection semantics: placement (``mode``) and freshness (``max_version_lag``) are
+    separate choices (closedloop.training.pipeline)."""
 
-    mode: Literal["synchronous"] = "synchronous"
+    # synchronous: the generator and the trainer take turns in one thread; async: the
+    # generator samples the next rounds in its own thread while the trainer updates.
+    mode: Literal["synchronous", "async"] = "synchronous"
     group_size: int = 8
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int | None = None
     pin_policy_for_full_episode: Literal[True] = True
+    # Round r (the groups step r trains on) is sampled by v_max(0, r - max_version_lag): the
+    # hard bound on u - v of every trained token. >= 1 needs an objective with ratios.
     max_version_lag: int = 0
     require_one_behavior_version_per_group: Literal[True] = True
     in_flight_policy: Literal["finish_old"] = "finish_old"
@@ -85,6 +90,13 @@ class RolloutSection:
     require_termination_reason: Literal[True] = True
     context_compaction: Literal[False] = False
     max_action_tokens: int = 96
+    # The drift gate: a group whose D_sample (mean |log π_train^u - log π_beh^v| over its
+    # action tokens, scored by the trainer before the update) exceeds it is quarantined
+    # (sample_drift). null: D_sample is not measured before the update (no gate).
+    max_sample_drift: float | None = None
+    # The longest the generator or the trainer waits on the other (a round, capacity, a
+    # publication) before stopping the run with QueueTimeoutError: never a silent hang.
+    queue_timeout_s: float = 3600.0
     # Where the RL steps' episodes run (docs/scale-out.md): in this process, or on Ray actors
     # (environment workers and generator workers, section ``ray``; `train --workers ray`).
     workers: Literal["in_process", "ray"] = "in_process"
@@ -147,12 +159,18 @@ class UpdateSection:
     # against π_beh may take optimizer_steps_per_fresh_batch > 1 steps on each fresh batch.
     objective: str = "reinforce_with_kl"
     behavior_policy: Literal["rollout_manifest"] = "rollout_manifest"
-    proximal_policy: Literal["behavior_policy"] = "behavior_policy"
+    # behavior_policy: π_prox = π_beh (the ratio is πθ/π_beh); trainer_at_step_start: the
+    # decoupled objective, π_prox = π_train^u as the step starts (the ratio is πθ/π_prox,
+    # clipped; each token weighted by w = π_prox/π_beh, capped at behavior_weight_cap).
+    proximal_policy: Literal["behavior_policy", "trainer_at_step_start"] = "behavior_policy"
     reference_policy: Literal["initial_sft", "initial"] = "initial_sft"
     kl_beta: float = 0.02
     optimizer_steps_per_fresh_batch: int = 1
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     clip_eps: float = 0.2
+    # The cap on the off-policy weight w = π_prox/π_beh of the decoupled objective
+    # (proximal_policy: trainer_at_step_start).
+    behavior_weight_cap: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -299,6 +317,28 @@ def parse_config(data: Any) -> RunConfig:
     return cfg
 
 
+def _check_freshness(cfg: RunConfig, uses_ratio: bool) -> None:
+    """Bounded staleness needs an explicit off-policy correction (an objective with ratios);
+    the gates' bounds are sane."""
+    r, u = cfg.rollout, cfg.update
+    if r.max_version_lag < 0:
+        raise ConfigError("rollout.max_version_lag", "must be >= 0")
+    if r.max_version_lag > 0 and not uses_ratio:
+        raise ConfigError("rollout.max_version_lag", f"{u.objective} has no ratio: a batch "
+                          "sampled by an older version needs an explicit off-policy "
+                          "correction (ppo_clip with update.proximal_policy "
+                          "trainer_at_step_start, or another objective with ratios)")
+    if u.proximal_policy == "trainer_at_step_start" and u.objective != "ppo_clip":
+        raise ConfigError("update.proximal_policy", f"the decoupled π_prox is implemented "
+                          f"for ppo_clip, not {u.objective}")
+    if r.max_sample_drift is not None and not r.max_sample_drift > 0:
+        raise ConfigError("rollout.max_sample_drift", "must be > 0 (or null: no drift gate)")
+    if not r.queue_timeout_s > 0:
+        raise ConfigError("rollout.queue_timeout_s", "must be > 0")
+    if not u.behavior_weight_cap >= 1:
+        raise ConfigError("update.behavior_weight_cap", "must be >= 1")
+
+
 def _check_ranges(cfg: RunConfig) -> None:
     for key in _POSITIVE:
         section, name = key.split(".")
@@ -306,10 +346,7 @@ def _check_ranges(cfg: RunConfig) -> None:
             raise ConfigError(key, "must be >= 1")
     if cfg.rollout.group_size < 2:
         raise ConfigError("rollout.group_size", "group-relative credit needs at least 2 siblings")
-    if cfg.rollout.max_version_lag != 0:
-        raise ConfigError("rollout.max_version_lag", "only the synchronous baseline (0) is "
-                          "implemented; asynchrony is a later ablation")
-    _check_objective(cfg)
+    _check_freshness(cfg, _check_objective(cfg))
     for key in ("consistency.max_abs_log_ratio", "consistency.max_abs_tolerance"):
         section, name = key.split(".")
         if not getattr(getattr(cfg, section), name) > 0:
@@ -381,10 +418,11 @@ def _dotted(cfg: RunConfig, key: str) -> object:
     return value
 
 
-def _check_objective(cfg: RunConfig) -> None:
+def _check_objective(cfg: RunConfig) -> bool:
     """Resolve ``update.objective`` (a registered name or a dotted path to a factory) with the
     run's clip range and check it against the ``Objective`` protocol; what it may be asked
-    (several optimizer steps per batch, truncated sampling) follows from its ``uses_ratio``."""
+    (several optimizer steps per batch, truncated sampling, a lagged batch) follows from its
+    ``uses_ratio``, which is returned."""
     u = cfg.update
     try:
         clip = ClipRange(u.clip_eps)
@@ -395,7 +433,7 @@ def _check_objective(cfg: RunConfig) -> None:
     except (UnknownObjectiveError, InvalidObjectiveError) as exc:
         raise ConfigError("update.objective", str(exc)) from None
     if objective.uses_ratio:
-        return
+        return True
     if u.optimizer_steps_per_fresh_batch != 1:
         raise ConfigError("update.optimizer_steps_per_fresh_batch",
                           f"{u.objective} has no ratio against π_beh: reusing a batch "
@@ -405,6 +443,7 @@ def _check_objective(cfg: RunConfig) -> None:
                           f"{u.objective} has no ratio: it needs the trainer to score the "
                           "distribution that sampled, and the trainer does not reproduce top-k/"
                           "top-p masks; sample untruncated or use an objective with ratios")
+    return False
 
 
 def _check_honoured(cfg: RunConfig) -> None:
@@ -428,6 +467,10 @@ def _check_scale_out(cfg: RunConfig) -> None:
                 "object_store_mb"):
         if not getattr(cfg.ray, key) > 0:
             raise ConfigError(f"ray.{key}", "must be > 0")
+    scaled = cfg.rollout.workers == "ray" or cfg.rollout.generator == "vllm"
+    if scaled and cfg.rollout.mode != "synchronous":
+        raise ConfigError("rollout.mode", "Ray workers and the vLLM generator serve the "
+                          "synchronous rounds; asynchronous rounds run on the in-process worker")
     if cfg.rollout.generator != "vllm":
         return
     if cfg.rollout.top_p < 1.0 or cfg.rollout.top_k is not None:

@@ -321,6 +321,11 @@ class MissingAckError(RegistryError):
     """A worker has not acknowledged loading the version."""
 
 
+class PublicationError(RegistryError):
+    """A version could not be made active: a worker does not hold what the manifest says (it
+    is quarantined) or did not acknowledge in time; the active version stays."""
+
+
 # --------------------------------------------------------------------------- engine
 
 
@@ -440,6 +445,21 @@ class DuplicateConsumptionError(IllegalTransitionError):
 
 class LedgerInconsistencyError(LedgerError):
     """The ledger and a trainer checkpoint disagree in a way the protocol cannot produce."""
+
+
+class QueueCapacityError(ClosedloopError):
+    """A generator round would break the admission queue's capacity rule (accepted + running +
+    B > (max_version_lag + v + 1) * B), or was started or handed over twice."""
+
+
+class QueueTimeoutError(ClosedloopError, TimeoutError):
+    """The generator or the trainer waited past its deadline on the admission queue (the other
+    side stopped or hangs): raised, never waited on forever."""
+
+
+class StaleTokenError(ClosedloopError):
+    """A batch about to be trained holds an action token sampled more than ``max_version_lag``
+    versions before the trainer's version: the hard staleness bound was broken upstream."""
 
 
 class TaskSamplerError(ClosedloopError):
@@ -566,7 +586,7 @@ class RunLockedError(RunDirectoryError):
 
 
 class RunNotReadyError(ClosedloopError, RuntimeError):
-    """A training-run method was called before the set-up it needs (``attach_rl_adapter``)."""
+    """A training-run function was called before the set-up it needs (``attach_roles``)."""
 
 
 class ConsistencyGateError(ClosedloopError):

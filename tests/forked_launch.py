@@ -147,9 +147,9 @@ def serve(stdin: IO[str], stdout: IO[str]) -> None:
 
     import closedloop.cli
     import closedloop.training.loop  # noqa: F401 - the heavy imports happen here, once
-    from closedloop.training.run import _versions
+    from closedloop.training.run_directory import library_versions
 
-    _versions()  # peft and transformers' lazy modules (config.json records their versions)
+    library_versions()  # peft and transformers' lazy modules (config.json records their versions)
     for name in ("AutoModelForCausalLM", "AutoTokenizer", "LlamaForCausalLM"):
         getattr(transformers, name)
 

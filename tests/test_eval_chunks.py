@@ -16,6 +16,9 @@ from closedloop.config import parse_config
 from closedloop.contracts import load_episodes
 from closedloop.policy.registry import version_name
 from closedloop.training.loop import opened_run
+from closedloop.training.resume import resume
+from closedloop.training.run import publish
+from closedloop.training.run_evaluation import evaluate
 from tests.conftest import short_run_config
 
 pytestmark = pytest.mark.slow
@@ -28,9 +31,9 @@ def _evaluate(run_dir: Path, model: Path) -> tuple[Any, list[Any]]:
     torch.set_num_threads(1)
     try:
         with opened_run(parse_config(data), run_dir) as run:
-            if not run.resume():
-                run.publish(version_name(0))
-            summary = run.evaluate("start", run.registry.manifest(version_name(0)))
+            if not resume(run):
+                publish(run, version_name(0))
+            summary = evaluate(run, "start", run.registry.manifest(version_name(0)))
     finally:
         torch.set_num_threads(threads)
     return summary, list(load_episodes(run_dir / "traces" / "eval-start.jsonl")[1])
@@ -47,17 +50,17 @@ def test_a_chunked_evaluation_equals_one_collection_and_resumes_chunk_by_chunk(
     assert len(whole_eps) == 6  # 2 held-out tasks x 3 attempts: one collection
 
     monkeypatch.setattr(evaluation, "EVAL_CHUNK_EPISODES", 2)
-    real_collect = evaluation.RunEvaluation._collect
+    real_collect = evaluation.collect_with_worker
     chunks: list[int] = []
 
-    def crash_on_the_second_chunk(self: Any, source: Any, manifest: Any, path: Path,
-                                  groups: Any, desc: str) -> Any:
+    def crash_on_the_second_chunk(run: Any, manifest: Any, path: Path, groups: Any,
+                                  desc: str) -> Any:
         chunks.append(len(groups))
         if len(chunks) == 2:
             raise RuntimeError("killed between chunks")
-        return real_collect(self, source, manifest, path, groups, desc)
+        return real_collect(run, manifest, path, groups, desc)
 
-    monkeypatch.setattr(evaluation.RunEvaluation, "_collect", crash_on_the_second_chunk)
+    monkeypatch.setattr(evaluation, "collect_with_worker", crash_on_the_second_chunk)
     run_dir = tmp_path / "chunked"
     with pytest.raises(RuntimeError, match="killed between chunks"):
         _evaluate(run_dir, tiny_agent_dir)
@@ -67,12 +70,11 @@ def test_a_chunked_evaluation_equals_one_collection_and_resumes_chunk_by_chunk(
 
     chunks.clear()
 
-    def count(self: Any, source: Any, manifest: Any, path: Path, groups: Any,
-              desc: str) -> Any:
+    def count(run: Any, manifest: Any, path: Path, groups: Any, desc: str) -> Any:
         chunks.append(len(groups))
-        return real_collect(self, source, manifest, path, groups, desc)
+        return real_collect(run, manifest, path, groups, desc)
 
-    monkeypatch.setattr(evaluation.RunEvaluation, "_collect", count)
+    monkeypatch.setattr(evaluation, "collect_with_worker", count)
     resumed, resumed_eps = _evaluate(run_dir, tiny_agent_dir)
     assert chunks == [2, 2]  # the kept chunk is not collected again
     assert not (run_dir / "traces" / ".chunks" / "eval-start").exists()

@@ -19,6 +19,7 @@ from closedloop.config import parse_config
 from closedloop.engine import MatmulRates
 from closedloop.errors import EmulatedBf16Warning
 from closedloop.training.loop import opened_run
+from closedloop.training.run import manifest_for
 from tests.conftest import short_run_config
 
 AMX_FLAGS = "fpu sse2 avx2 avx512f amx_tile amx_bf16"
@@ -45,9 +46,10 @@ def open_and_record(cfg: dict[str, Any], run_dir: Path, monkeypatch) -> dict[str
     monkeypatch.setattr(warm_start_module, "supervised_warm_start", spy)
     with opened_run(parse_config(cfg), run_dir) as run:
         assert run.trainer is not None
-        seen.update(run=run.precision.precision, trainer=run.trainer.config.precision,
-                    generator=run.generator.precision,
-                    manifest=run.manifest_for("v0000").dtype)
+        assert run.worker is not None
+        seen.update(run=run.ctx.precision.precision, trainer=run.trainer.config.precision,
+                    generator=run.worker.generator.precision,
+                    manifest=manifest_for(run, "v0000").dtype)
     seen["recorded"] = json.loads((run_dir / "config.json").read_text())["precision"]
     return seen
 
@@ -71,10 +73,10 @@ def test_a_resumed_run_keeps_its_precision_on_another_host(tiny_agent_dir: Path,
     data = config(tiny_agent_dir, None)
     data["sft"] = {"enabled": False}
     with opened_run(parse_config(data), tmp_path / "run") as run:
-        assert run.precision.precision == "float32"
+        assert run.ctx.precision.precision == "float32"
     monkeypatch.setenv("CLOSEDLOOP_CPU_FLAGS", AMX_FLAGS)  # the same directory, an AMX host
     with opened_run(parse_config(data), tmp_path / "run") as run:
-        assert run.precision.precision == "float32"
+        assert run.ctx.precision.precision == "float32"
         assert run.trainer is not None and run.trainer.config.precision == "float32"
 
 
@@ -86,7 +88,7 @@ def test_forcing_bf16_on_an_emulating_host_warns_before_the_first_step(
     data["sft"] = {"enabled": False}
     with pytest.warns(EmulatedBf16Warning, match=r"123x slower than float32"), \
             opened_run(parse_config(data), tmp_path / "run") as run:
-        assert run.step == 0 and not (tmp_path / "run" / "checkpoints" / "step-0000").exists()
-        assert run.precision.precision == "bfloat16" and run.precision.emulated_bf16
+        assert run.state.step == 0 and not (tmp_path / "run" / "checkpoints" / "step-0000").exists()
+        assert run.ctx.precision.precision == "bfloat16" and run.ctx.precision.emulated_bf16
     recorded = json.loads((tmp_path / "run" / "config.json").read_text())["precision"]
     assert recorded["rates"]["bfloat16_gflops"] == 0.9

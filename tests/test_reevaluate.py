@@ -18,8 +18,15 @@ from closedloop.contracts.metrics_log import read_metrics
 from closedloop.errors import ConfigDriftError, RunStateError
 from closedloop.evaluate.report import build_report
 from closedloop.experiments.controls import run_experiment
-from closedloop.experiments.reevaluate import EXTRA_SEED_BASE, reevaluate, reevaluate_experiment
+from closedloop.experiments.reevaluate import (
+    EXTRA_SEED_BASE,
+    load_version,
+    reevaluate,
+    reevaluate_experiment,
+)
 from closedloop.training.loop import opened_run
+from closedloop.training.resume import resume
+from closedloop.training.run_evaluation import evaluate
 from tests.conftest import HELDOUT_TASKS, short_run_config
 
 pytestmark = pytest.mark.slow
@@ -122,11 +129,11 @@ def test_a_step_reevaluates_that_version_and_scores_the_preregistered_seeds_wher
 
     # The earlier version loaded into a finished run samples what its curve point sampled.
     with opened_run(cfg, rloo) as run:
-        run.resume()
-        assert run.step == 2
-        manifest = run.load_version("v0001")
+        resume(run)
+        assert run.state.step == 2
+        manifest = load_version(run, "v0001")
         assert manifest.policy_version == "v0001"
-        run.evaluate("check", manifest, seeds=cfg.evaluation.seeds[:1])
+        evaluate(run, "check", manifest, seeds=cfg.evaluation.seeds[:1])
     point, check = (load_episodes(rloo / "traces" / f"eval-{n}.jsonl")[1]
                     for n in ("step-0001", "check"))
     assert [[t.action_token_ids for t in e.turns] for e in check] == \

@@ -151,23 +151,18 @@ def cmd_collect(args: argparse.Namespace) -> int:
 
     from closedloop.contracts import SamplerConfig, TraceWriter
     from closedloop.engine import HFGenerator, precision_label, resolve_precision, warn_if_emulated
-    from closedloop.policy import load_model
     from closedloop.progress import Progress, log
     from closedloop.rollout.source import GeneratorSource
-    from closedloop.training.wiring import (
-        CollectorParts,
-        build_manifest,
-        make_collector,
-        make_renderer,
-    )
+    from closedloop.rollout.verifier_step import VerifierStep
+    from closedloop.training.run import load_policy
+    from closedloop.training.wiring import CollectorParts, build_manifest, make_collector
 
     package = command_package(args)
     precision = resolve_precision(args.precision)
     log(f"precision: {precision.describe()}")
     warn_if_emulated(precision)
-    loaded = load_model(None if args.model in (None, "embedded") else args.model)
-    log(f"model {loaded.model_id} from {loaded.source} in {loaded.load_seconds:.1f}s")
-    renderer = make_renderer(loaded.tokenizer, package)
+    policy = load_policy(args.model or "embedded", "float32", package)  # the runs' loading path
+    loaded, renderer = policy.loaded, policy.renderer
     sampler = SamplerConfig(args.temperature, args.top_p, args.top_k)
     manifest = build_manifest(policy_version="v0000", weight_checksum=loaded.weight_checksum,
                               tokenizer_revision=loaded.tokenizer_revision, renderer=renderer,
@@ -181,14 +176,15 @@ def cmd_collect(args: argparse.Namespace) -> int:
                              manifest.generator_build)
     tasks = default_task_ids(package, None if args.tasks == "all" else args.tasks)[: args.limit]
     out = Path(args.out or f"runs/collect/{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
+    verifier = package.verifier()
     with TraceWriter(out) as writer:
         collector = make_collector(source, manifest, CollectorParts(
-            renderer, package.verifier(), f"collect-{out.stem}", writer, args.max_turns,
-            package))
+            renderer, verifier, f"collect-{out.stem}", writer, args.max_turns, package))
         leases = [collector.make_lease(f"g{i:03d}", t, args.seed, args.group_size)
                   for i, t in enumerate(tasks)]
         with Progress(len(leases) * args.group_size, "collect") as bar:
-            groups = collector.collect(leases, progress=bar.update)
+            rollouts = collector.rollout(leases, progress=bar.update)  # the generator
+        groups = VerifierStep(verifier, writer).score(rollouts)  # the verifier step
     trajs = [ep.trajectory for g in groups for ep in g.episodes]
     scored = [t.task_success for t in trajs if t.task_success is not None]
     data = {"trace": str(out), "env_id": package.env_id, "groups": len(groups),

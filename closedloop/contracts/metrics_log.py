@@ -29,8 +29,10 @@ __all__ = ["VOLATILE", "MetricsFormatError", "MetricsKey", "MetricsLog", "metric
            "read_metrics"]
 
 MetricsKey = tuple[str, int | None, str | None]
-VOLATILE = frozenset({"time", "seconds"})
-"""Fields that differ between two honest writes of one record (never compared)."""
+VOLATILE = frozenset({"time", "seconds", "timing"})
+"""Fields that differ between two honest writes of one record (never compared): wall-clock
+time, durations, and ``timing`` (what depends on when concurrent roles ran: queue ages,
+waits, high-water marks)."""
 
 
 def metrics_key(record: Mapping[str, Any]) -> MetricsKey:

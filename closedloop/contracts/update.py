@@ -61,6 +61,9 @@ class ObjectiveInputs:
     ``reward_kl_spec`` names a KL applied in the reward instead (monitoring only here).
     ``length_band_edges`` (e0, e1) split episodes by action-token count for the gradient-mass
     shares: short T_i <= e0, medium e0 < T_i <= e1, long T_i > e1.
+    ``proximal_logprobs_B_T``: log π_prox when it is not π_beh (the decoupled objective: the
+    trainer's weights as the step started); a ratio objective then clips πθ/π_prox and weighs
+    each token by w = π_prox/π_beh, capped at ``behavior_weight_cap`` (None: uncapped).
     """
 
     new_logprobs_B_T: torch.Tensor
@@ -76,6 +79,8 @@ class ObjectiveInputs:
     reward_kl_spec: KLSpec | None = None
     length_band_edges: tuple[int, int] = (64, 256)
     weights_B_T: torch.Tensor | None = None
+    proximal_logprobs_B_T: torch.Tensor | None = None
+    behavior_weight_cap: float | None = None
 
 
 class ObjectiveOutput(NamedTuple):

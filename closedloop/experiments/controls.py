@@ -30,7 +30,10 @@ from closedloop.policy.registry import atomic_write_bytes, version_name
 from closedloop.progress import log, phase, phase_times, reset_phases
 from closedloop.training.integrity import recorded_meta
 from closedloop.training.loop import evaluate_start, final_suites, opened_run, train
-from closedloop.training.run_evaluation import eval_name
+from closedloop.training.resume import resume
+from closedloop.training.run import publish
+from closedloop.training.run_evaluation import audit_frozen, eval_name, evaluate, evaluate_retain
+from closedloop.training.warm_start import sft_only
 
 ARMS = ("frozen", "rloo", "shuffled", "sft_only")
 SHARED = ("sft/adapter.pt", "sft/result.json", "traces/sft-demos.jsonl",
@@ -67,13 +70,13 @@ def _suites(cfg: RunConfig) -> tuple[str, ...]:
 def _cold_start(cfg: RunConfig, frozen_dir: Path, config_override: str | None = None) -> None:
     """Warm start, publish v0000, evaluate it on every suite and audit it: the frozen arm."""
     with opened_run(cfg, frozen_dir, config_override) as run:
-        if not run.resume():
-            run.publish(version_name(0))
+        if not resume(run):
+            publish(run, version_name(0))
         manifest = run.registry.manifest(version_name(0))
         evaluate_start(run)
-        run.evaluate_retain("start", manifest)
+        evaluate_retain(run, "start", manifest)
         if not (frozen_dir / "audit.json").is_file():
-            run.audit_frozen("start", manifest)
+            audit_frozen(run, "start", manifest)
 
 
 def cold_start_precision(frozen_dir: Path) -> PrecisionChoice | None:
@@ -88,10 +91,10 @@ def _sft_only(cfg: RunConfig, arm_dir: Path, tokens: int,
               precision: PrecisionChoice | None = None) -> None:
     with opened_run(cfg, arm_dir, config_override, precision) as run:
         if not (arm_dir / "traces" / "eval-final.jsonl").is_file():
-            run.publish(version_name(0))
-            run.sft_only(tokens, "matched")
+            publish(run, version_name(0))
+            sft_only(run, tokens, "matched")
         final = run.registry.manifest(version_name(cfg.training.rl_steps))
-        run.evaluate("final", final)
+        evaluate(run, "final", final)
 
 
 def _final_suites(cfg: RunConfig, arm_dir: Path, config_override: str | None) -> None:
@@ -103,12 +106,12 @@ def _final_suites(cfg: RunConfig, arm_dir: Path, config_override: str | None) ->
         return
     log(f"experiment: arm {arm_dir.name}, final policy on the {', '.join(missing)} suite(s)")
     with opened_run(cfg, arm_dir, config_override) as run:
-        if not run.resume():
+        if not resume(run):
             raise RunStateError(arm_dir, "the arm's summary exists but no checkpoint resumes",
                                 "delete the arm's directory to train it again")
         final = run.registry.manifest(version_name(cfg.training.rl_steps))
         for suite in missing:
-            run.evaluate("final", final, suite=suite)
+            evaluate(run, "final", final, suite=suite)
 
 
 def _trained_tokens(run_dir: Path) -> int:

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from closedloop.config import RunConfig, parse_config
-from closedloop.contracts import Episode, load_episodes
+from closedloop.contracts import Episode, PolicyManifest, load_episodes
 from closedloop.contracts.metrics_log import read_metrics
 from closedloop.errors import ConfigDriftError, RunStateError
 from closedloop.evaluate.heldout import summarize_eval
@@ -45,7 +45,9 @@ from closedloop.policy.registry import atomic_write_bytes, version_name
 from closedloop.progress import log
 from closedloop.training import integrity as run_integrity
 from closedloop.training.loop import opened_run
-from closedloop.training.run_evaluation import EVAL_SUITES, eval_name
+from closedloop.training.resume import resume
+from closedloop.training.run import Run
+from closedloop.training.run_evaluation import EVAL_SUITES, eval_name, evaluate
 
 EXTRA_SEED_BASE = 1000
 
@@ -106,22 +108,28 @@ def evaluate_more(run_dir: Path, attempts: int, suite: str, baseline: bool,
         seeds = list(cfg.evaluation.seeds)[:cfg.evaluation.attempts_per_task] + seeds
     with opened_run(cfg, run_dir) as run:
         if sft_only:  # no RL checkpoint to resume: its published final version is the policy
-            manifest = run.load_version(version_name(final))
+            manifest = load_version(run, version_name(final))
         else:
-            run.resume()
+            resume(run)
             expected = 0 if baseline else final
-            if run.step != expected:
+            if run.state.step != expected:
                 what = "the baseline's start policy" if baseline else "the final policy"
-                raise RunStateError(run_dir / "checkpoints", f"the run is at step {run.step}; "
-                                    f"{what} is v{expected:04d}",
+                raise RunStateError(run_dir / "checkpoints", f"the run is at step "
+                                    f"{run.state.step}; {what} is v{expected:04d}",
                                     "pass a frozen arm as the baseline and finished runs to "
                                     "compare" if baseline else "finish the run first")
-            manifest = (run.registry.manifest(version_name(version)) if version == run.step
-                        else run.load_version(version_name(version)))
+            manifest = load_version(run, version_name(version))
         log(f"reevaluate: {run_dir} {manifest.policy_version}, {len(seeds)} more attempts "
             f"per {suite} task")
-        run.evaluate(label, manifest, suite=suite, seeds=seeds)
+        evaluate(run, label, manifest, suite=suite, seeds=seeds)
     return _pooled(run_dir, cfg, manifest.policy_version, own_trace, label, suite)
+
+
+def load_version(run: Run, version: str) -> PolicyManifest:
+    """The generator worker holds a published ``version`` (loaded from the registry and hashed:
+    ``RegistryError`` unless it holds exactly the manifest's weights); the trainer and its
+    checkpoint are untouched."""
+    return run.roles()[1].load(version)
 
 
 def is_sft_only(run_dir: Path) -> bool:

@@ -208,3 +208,25 @@ def audit_tolerances(source: str, max_abs_tolerance: float, model: Any,
     return AuditTolerances(max(max_abs_tolerance, 2 * b_max),
                            max(max_abs_tolerance / 10, 2 * b_p95),
                            max(max_abs_tolerance, 2 * b_p99), source, b_max, b_p95, b_p99)
+
+
+def sample_drift(model: Any, episodes: Sequence[Episode], *, pad_id: int, precision: str,
+                 temperature: float, micro_batch_size: int = 4) -> float | None:
+    """D_sample: the mean absolute log-prob gap over the action tokens the behaviour policy
+    sampled, between the trainer's current weights and the recorded behaviour log-probs::
+
+        D_sample = (1/|M|) Σ_{t∈M} |log π_train^u(a_t|h_t) - log π_beh^v(a_t|h_t)|
+
+    A drift diagnostic of sampled actions (restricted to the action mask M), not a distance
+    between policies; at u = v it is the generator/trainer mismatch alone. ``None`` when the
+    episodes hold no action token. Scored without grad, in eval mode, at ``precision`` and the
+    sampler's ``temperature`` (the distribution that sampled)."""
+    if not episodes:
+        return None
+    trainer = _trainer_scores(model, episodes, precision, temperature, pad_id,
+                              micro_batch_size, True)
+    behaviour = torch.cat([shifted.behavior_logprobs_B_T[shifted.mask_B_T.bool()].double()
+                           for _, shifted in _micro_batches(episodes, micro_batch_size, pad_id)])
+    if behaviour.numel() == 0:
+        return None
+    return float((trainer - behaviour).abs().mean())

@@ -64,6 +64,11 @@ class TrainerConfig:
     # Optimizer steps on each fresh batch (update.optimizer_steps_per_fresh_batch). More than one
     # needs an objective with ratios against π_beh (closedloop.learn.objectives.registry).
     optimizer_steps_per_batch: int = 1
+    # π_prox: "behavior_policy" (π_prox = π_beh) or "trainer_at_step_start" (the decoupled
+    # objective: π_prox = πθ as the step starts, scored by the first pass's own forward, no
+    # extra pass; tokens weighed by π_prox/π_beh capped at behavior_weight_cap).
+    proximal_policy: str = "behavior_policy"
+    behavior_weight_cap: float = 5.0
 
 
 def kl_spec_of(cfg: TrainerConfig) -> KLSpec | None:
@@ -97,6 +102,11 @@ class Trainer:
                                   "one step per fresh batch or use a clipped-ratio objective")
         if not config.temperature > 0:
             raise LearnError(f"temperature must be > 0, got {config.temperature}")
+        if config.proximal_policy not in ("behavior_policy", "trainer_at_step_start"):
+            raise LearnError(f"proximal_policy must be behavior_policy or trainer_at_step_start,"
+                             f" got {config.proximal_policy!r}")
+        if config.proximal_policy != "behavior_policy" and not self.objective.uses_ratio:
+            raise LearnError(f"{config.objective} has no ratio to take against π_prox")
         self.reference = reference
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
@@ -117,10 +127,11 @@ class Trainer:
         passes: list[Metrics] = []
         norms: list[float] = []
         refs: dict[int, torch.Tensor] = {}
+        proxs: dict[int, torch.Tensor] = {}
         n_act = n_tok = 0
         for _ in range(self.config.optimizer_steps_per_batch):
             metrics, n_act, n_tok = self._accumulate_gradients(batch, advantages_B, success_B,
-                                                               refs)
+                                                               refs, proxs)
             params = [p for p in self.model.parameters() if p.requires_grad]
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm))
             if not math.isfinite(grad_norm):
@@ -136,15 +147,28 @@ class Trainer:
         first["optim/steps_on_batch"] = len(passes)
         return StepResult(first, norms[0], n_act, n_tok, tuple(passes))
 
+    def loss_and_gradient(self, batch: TrainingBatch, advantages_B: torch.Tensor,
+                          success_B: torch.Tensor | None = None) -> tuple[float, torch.Tensor]:
+        """The loss of one batch and the flat gradient of the trainable parameters, without a
+        step (the gradients are zeroed again): what a step's first pass would apply."""
+        metrics, _, _ = self._accumulate_gradients(batch, advantages_B, success_B)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grad = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten()
+                          for p in params]).detach().clone()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(metrics["losses/loss"] or 0.0), grad
+
     def _accumulate_gradients(self, batch: TrainingBatch, advantages_B: torch.Tensor,
                               success_B: torch.Tensor | None = None,
-                              ref_cache: dict[int, torch.Tensor] | None = None
+                              ref_cache: dict[int, torch.Tensor] | None = None,
+                              prox_cache: dict[int, torch.Tensor] | None = None
                               ) -> tuple[Metrics, int, int]:
         """Zero the gradients, then backpropagate the whole batch in micro-batches.
 
         Returns (merged metrics, action tokens, tokens). The gradient equals the whole-batch
         gradient whatever ``micro_batch_size`` is. ``ref_cache`` (keyed by a micro-batch's first
-        row) keeps π_ref's log-probs across passes over the same batch.
+        row) keeps π_ref's log-probs across passes over the same batch; ``prox_cache`` keeps
+        π_prox's (the decoupled objective: πθ as first scored, before any step).
         """
         cfg = self.config
         shifted = shift_targets(batch)
@@ -155,14 +179,16 @@ class Trainer:
         with matmul_precision(self.model, cfg.precision):
             for rows in _chunks(batch.token_ids_B_T.shape[0], cfg.micro_batch_size):
                 out = self._micro_step(batch, shifted, rows, advantages_B, success_B, full_w,
-                                       {} if ref_cache is None else ref_cache)
+                                       {} if ref_cache is None else ref_cache,
+                                       {} if prox_cache is None else prox_cache)
                 outputs.append((out, len(rows)))
         n_act = int(shifted.mask_B_T.sum())
         return _merge_metrics(outputs), n_act, int(batch.attention_mask_B_T.sum())
 
     def _micro_step(self, batch: TrainingBatch, shifted: ShiftedTargets, rows: list[int],
                     advantages_B: torch.Tensor, success_B: torch.Tensor | None,
-                    full_w: torch.Tensor, ref_cache: dict[int, torch.Tensor]) -> ObjectiveOutput:
+                    full_w: torch.Tensor, ref_cache: dict[int, torch.Tensor],
+                    prox_cache: dict[int, torch.Tensor]) -> ObjectiveOutput:
         cfg = self.config
         idx = torch.tensor(rows)
         length = int(batch.attention_mask_B_T[idx].sum(dim=1).max())
@@ -174,6 +200,9 @@ class Trainer:
         if ref is None and self.reference is not None and cfg.kl_beta > 0:
             with torch.no_grad(), self.reference():
                 ref = ref_cache[rows[0]] = self._logprobs(ids, attn, mask)
+        prox = None
+        if cfg.proximal_policy == "trainer_at_step_start":
+            prox = prox_cache.setdefault(rows[0], new.detach())
         out = self.objective(ObjectiveInputs(
             new_logprobs_B_T=new,
             behavior_logprobs_B_T=shifted.behavior_logprobs_B_T[idx, : length - 1],
@@ -181,7 +210,8 @@ class Trainer:
             turn_ids_B_T=shifted.turn_ids_B_T[idx, : length - 1],
             success_B=None if success_B is None else success_B[idx],
             ref_logprobs_B_T=ref, reducer=cfg.reducer, kl_spec=kl_spec_of(cfg),
-            weights_B_T=full_w[idx, : length - 1]))
+            weights_B_T=full_w[idx, : length - 1], proximal_logprobs_B_T=prox,
+            behavior_weight_cap=cfg.behavior_weight_cap if prox is not None else None))
         out.loss.backward()
         return out
 

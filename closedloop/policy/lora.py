@@ -133,3 +133,36 @@ def load_adapter(base_model: Any, path: str | Path, trainable: bool = False) -> 
         raise AdapterError(f"{path} holds no adapter_config.json")
     with _quiet_peft():
         return PeftModel.from_pretrained(base_model, str(path), is_trainable=trainable)
+
+
+class PolicyChecksummer:
+    """``policy_weight_checksum`` of one model, the base's part kept while the base is unchanged.
+
+    A LoRA run never writes its base after the warm start, and hashing a 135M base costs ~0.7 s,
+    so the base checksum is computed once and recomputed only when a base tensor's storage or
+    version counter moved (every in-place update bumps it: optimizer steps, ``copy_``,
+    ``load_state_dict``). A write through ``.data`` bypasses the counter: create the
+    checksummer after such writes (``merge_and_unload``), or call ``invalidate``. The adapter's
+    tensors are hashed on every call: they are what changes.
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self._key: tuple[tuple[str, int, int], ...] | None = None
+        self._base: str | None = None
+
+    def invalidate(self) -> None:
+        """Forget the base checksum (the next call hashes the base again)."""
+        self._key = self._base = None
+
+    def __call__(self) -> PolicyChecksum:
+        """Base, adapter and combined checksums of the model's tensors as they are now."""
+        if not is_peft_model(self.model):
+            base = weights_checksum(self.model)
+            return PolicyChecksum(base, None, base)
+        base_sd, adapter_sd = split_state_dict(self.model)
+        key = tuple((name, t.data_ptr(), t._version) for name, t in sorted(base_sd.items()))
+        if key != self._key or self._base is None:
+            self._base, self._key = checksum_tensors(base_sd.items()), key
+        adapter = checksum_tensors(adapter_sd.items())
+        return PolicyChecksum(self._base, adapter, combine_checksums(self._base, adapter))

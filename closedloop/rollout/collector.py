@@ -1,11 +1,17 @@
-"""Version-pinned, group-batched multi-turn collection (trace record and token-id threading,
-docs/concepts.md).
+"""Version-pinned, group-batched multi-turn collection: the generator's side of a rollout
+(trace record and token-id threading, docs/concepts.md).
 
 A ``GroupLease`` binds G sibling episodes of one task, seed, base snapshot, behaviour manifest
 and sampler. Each sibling gets its own environment instance (never one shared env: siblings
-never see each other's writes). All live episodes of all groups step together: one batched ``act``
-per turn, then one environment step each; finished episodes drop out. Every turn is written as a
-``TurnRecord`` as it happens and every episode ends with a ``TrajectoryRecord``:
+never see each other's writes). All live episodes of all groups step together: one batched
+``act`` per turn, then one environment step each; finished episodes drop out. Every turn is
+written as a ``TurnRecord`` as it happens; every episode ends as an unscored
+``closedloop.rollout.verifier_step.Rollout`` holding the environment's exported final state.
+
+``Collector.rollout`` stops there: scoring is the verifier step's own stage
+(``closedloop.rollout.verifier_step``), which sees only the exported state. ``Collector.collect``
+is both stages in a row (rollout, then the verifier step with the collector's ``scorer``) for
+callers that want scored groups at once:
 
 - terminal episodes (finish, environment terminal, task budget) are scored by the verifier from
   the exported state, outside the agent's reach;
@@ -32,13 +38,11 @@ from typing import Any, Protocol
 
 from closedloop.contracts import (
     AgentEnv,
-    Episode,
     GroupLease,
     PolicyManifest,
     TaskVerifier,
     Termination,
     TraceWriter,
-    TrajectoryRecord,
     TurnRecord,
     content_hash,
     parse_action,
@@ -47,10 +51,12 @@ from closedloop.contracts.records import ActionKindOrInvalid
 from closedloop.errors import (
     ActionParseError,
     ContextBudgetExceeded,
+    ContractError,
     InfrastructureError,
     SnapshotMismatchError,
 )
 from closedloop.rollout.source import ActionSample, ActionSource
+from closedloop.rollout.verifier_step import CollectedGroup, Rollout, RolloutGroup, VerifierStep
 
 INFRA_FAILURES: tuple[type[Exception], ...] = (InfrastructureError, TimeoutError)
 """The exceptions the collector records as ``infra_abort``; every other one propagates."""
@@ -99,14 +105,6 @@ def episode_stream(salt: int, task_id: str, seed: int, sample_index: int) -> int
         % 2**63
 
 
-@dataclass(frozen=True)
-class CollectedGroup:
-    """A lease and its G finished episodes, in sample order."""
-
-    lease: GroupLease
-    episodes: tuple[Episode, ...]
-
-
 @dataclass
 class _Live:
     key: str
@@ -142,7 +140,7 @@ class Collector:
     """Collects complete groups under one behaviour manifest."""
 
     def __init__(self, source: ActionSource, renderer: Renderer,
-                 env_factory: Callable[[], AgentEnv], scorer: TaskVerifier,
+                 env_factory: Callable[[], AgentEnv], scorer: TaskVerifier | None,
                  task_info: Callable[[str], tuple[str, str]], manifest: PolicyManifest,
                  run_id: str, writer: TraceWriter | None = None,
                  config: CollectorConfig | None = None) -> None:
@@ -170,11 +168,21 @@ class Collector:
 
     def collect(self, leases: Sequence[GroupLease],
                 progress: Callable[[int], None] | None = None) -> list[CollectedGroup]:
-        """Run every sibling of every lease to the end; return complete groups in lease order."""
+        """``rollout`` then the verifier step (the collector's ``scorer``, trajectory records
+        to its writer): complete scored groups in lease order."""
+        if self.scorer is None:
+            raise ContractError("this collector has no scorer: use rollout() and a verifier "
+                                "step")
+        return VerifierStep(self.scorer, self.writer).score(self.rollout(leases, progress))
+
+    def rollout(self, leases: Sequence[GroupLease],
+                progress: Callable[[int], None] | None = None) -> list[RolloutGroup]:
+        """Run every sibling of every lease to the end; return complete, unscored groups in
+        lease order (the verifier step scores them)."""
         self._check_leases(leases)
         started = time.perf_counter()
         live: list[_Live] = []
-        finished: dict[str, Episode] = {}
+        finished: dict[str, Rollout] = {}
         for lease in leases:
             if self.writer is not None:
                 self.writer.write(lease)
@@ -199,8 +207,8 @@ class Collector:
                     if progress is not None:
                         progress(1)
             live = still
-        return [CollectedGroup(lease, tuple(finished[f"{lease.group_id}/{i}"]
-                                            for i in range(lease.group_size)))
+        return [RolloutGroup(lease, tuple(finished[f"{lease.group_id}/{i}"]
+                                          for i in range(lease.group_size)))
                 for lease in leases]
 
     def _check_leases(self, leases: Sequence[GroupLease]) -> None:
@@ -334,35 +342,19 @@ class Collector:
         timings["bookkeeping_s"] = time.perf_counter() - t0
         return record
 
-    def _finish(self, ep: _Live) -> Episode:
+    def _finish(self, ep: _Live) -> Rollout:
+        """End an episode: close its source session, export the final state of a terminal
+        one (for the verifier step), and freeze what was played."""
         self.source.close(ep.key)
         termination = ep.termination or Termination.INFRA_ABORT
-        reward: dict[str, float] | None = None
-        quarantine: str | None = None
-        verifier_version: str | None = None
         final_hash = _safe_hash(ep.env) if ep.turns or termination.is_terminal else ""
-        if termination.is_terminal:
-            t0 = time.perf_counter()
-            result = self.scorer.score_or_quarantine(ep.lease.task_id, ep.env.export_state())
-            reward, quarantine = result.reward, result.quarantine_reason
-            verifier_version = self.scorer.verifier_version
-            _add(ep.timings, "verify_s", time.perf_counter() - t0)
-        m = self.manifest
-        traj = TrajectoryRecord(
-            run_id=self.run_id, episode_id=ep.key, group_id=ep.lease.group_id,
-            sample_index=ep.sample_index, task_id=ep.lease.task_id, task_family=ep.family,
-            split=ep.split, seed=ep.lease.seed, env_version=ep.env.env_version,
-            base_snapshot_id=ep.lease.base_snapshot_id, behavior_policy_version=m.policy_version,
-            policy_manifest_hash=m.manifest_hash(), behavior_weight_checksum=m.weight_checksum,
-            sampler_config=m.sampler, num_turns=len(ep.turns),
-            num_action_tokens=sum(len(t.action_token_ids) for t in ep.turns),
-            termination=termination, reward=reward, verifier_version=verifier_version,
-            final_state_hash=final_hash or "none", quarantine_reason=quarantine,
-            mixed_policy=False, rollout_started_at=ep.started_at, rollout_finished_at=_now(),
-            timings=dict(ep.timings))
-        if self.writer is not None:
-            self.writer.write(traj)
-        return Episode(traj, tuple(ep.turns))
+        final_state = ep.env.export_state() if termination.is_terminal else None
+        return Rollout(
+            run_id=self.run_id, episode_id=ep.key, lease=ep.lease, sample_index=ep.sample_index,
+            task_family=ep.family, split=ep.split, env_version=ep.env.env_version,
+            manifest=self.manifest, turns=tuple(ep.turns), termination=termination,
+            final_state=final_state, final_state_hash=final_hash, started_at=ep.started_at,
+            finished_at=_now(), timings=dict(ep.timings))
 
 
 def _parse(text: str) -> tuple[ActionKindOrInvalid, str | None, dict[str, Any] | None,

@@ -8,10 +8,11 @@ The synchronous collection of a step, spread over processes:
   with a timeout.
 - **generator workers** (``RolloutWorker``, whole CPUs): each holds its own copy of the policy
   (``PolicySpec.build``: base weights from a model folder, the LoRA adapter of the version it
-  loaded and hashed) and runs the ordinary ``Collector`` on its share of the step's groups,
-  with environments on the environment workers. Complete groups go to the driver through a
-  bounded queue (``queue_capacity`` groups): a worker blocks on a full queue (backpressure)
-  rather than pile groups up in the object store.
+  loaded and hashed) and rolls out its share of the step's groups with the ordinary
+  ``Collector``, environments on the environment workers. Complete, unscored groups go to the
+  driver through a bounded queue (``queue_capacity`` groups): a worker blocks on a full queue
+  (backpressure) rather than pile groups up in the object store. The driver's verifier step
+  scores them (clean-room scoring stays with the run, never on a worker).
 
 Every remote call has a timeout (``call_timeout_s``). A worker that died or was killed raises
 ``WorkerError`` and one that does not answer in time raises ``WorkerTimeoutError`` (and is
@@ -45,7 +46,6 @@ from closedloop.contracts import (
     GroupLease,
     PolicyManifest,
     SnapshotRef,
-    TaskVerifier,
     Transition,
 )
 from closedloop.errors import (
@@ -54,7 +54,8 @@ from closedloop.errors import (
     WorkersUnavailableError,
     WorkerTimeoutError,
 )
-from closedloop.rollout.collector import CollectedGroup, Collector, CollectorConfig, Renderer
+from closedloop.rollout.collector import Collector, CollectorConfig, Renderer
+from closedloop.rollout.verifier_step import RolloutGroup
 
 RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled",
            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
@@ -303,14 +304,14 @@ class PolicySpec:
 
     ``build()`` returns ``(generator, load)``: a batched generator (the collector's session
     API) over the worker's own weights, and ``load(adapter_state, expected_checksum) ->
-    checksum``, which copies a version's adapter into those weights, hashes what the worker
-    then holds and raises ``ChecksumMismatchError`` unless it is ``expected_checksum``.
+    PolicyChecksum``, which copies a version's adapter into those weights, hashes what the
+    worker then holds (base, adapter, combined) and raises ``ChecksumMismatchError`` unless
+    the combined checksum is ``expected_checksum``.
     """
 
-    build: Callable[[], tuple[Any, Callable[[dict[str, Any], str], str]]]
+    build: Callable[[], tuple[Any, Callable[[dict[str, Any], str], Any]]]
     renderer: Renderer
     decode: Callable[[list[int]], str]
-    verifier: TaskVerifier
     task_info: Callable[[str], tuple[str, str]]
     run_id: str
     collector: CollectorConfig
@@ -330,7 +331,7 @@ class HFPolicyBuilder:
     seed: int = 0
     precision: str = "float32"
 
-    def __call__(self) -> tuple[Any, Callable[[dict[str, Any], str], str]]:
+    def __call__(self) -> tuple[Any, Callable[[dict[str, Any], str], Any]]:
         """Build the worker's policy, generator and ``load`` (``PolicySpec``)."""
         import torch
 
@@ -349,17 +350,18 @@ class HFPolicyBuilder:
         generator = HFGenerator(model, loaded.tokenizer, seed=self.seed,
                                 precision=self.precision)
 
-        def load(state: dict[str, Any], expected: str) -> str:
+        def load(state: dict[str, Any], expected: str) -> Any:
             own = split_state_dict(model)[1]
             if set(state) != set(own):
                 raise RegistryError("the version's adapter tensors are not this worker's")
             with torch.no_grad():
                 for name, tensor in state.items():
                     own[name].copy_(tensor)
-            held = policy_weight_checksum(model).combined
-            generator.refresh_weights(held)
-            if held != expected:
-                raise ChecksumMismatchError(f"the worker holds {held}, not {expected}")
+            held = policy_weight_checksum(model)
+            generator.refresh_weights(held.combined)
+            if held.combined != expected:
+                raise ChecksumMismatchError(f"the worker holds {held.combined}, not "
+                                            f"{expected}")
             return held
 
         return generator, load
@@ -376,16 +378,19 @@ class RolloutWorker:
         self.generator, self._load = spec.build()
         self.checksum: str | None = None
 
-    def load(self, adapter_state: dict[str, Any], expected_checksum: str) -> str:
-        """Hold a version's adapter; return the checksum of what this worker now holds (a
-        failed load leaves it holding no version: it collects nothing until the next)."""
+    def load(self, adapter_state: dict[str, Any], expected_checksum: str) -> Any:
+        """Hold a version's adapter; return the ``PolicyChecksum`` of what this worker now
+        holds (a failed load leaves it holding no version: it collects nothing until the
+        next)."""
         self.checksum = None
-        self.checksum = self._load(adapter_state, expected_checksum)
-        return self.checksum
+        held = self._load(adapter_state, expected_checksum)
+        self.checksum = held.combined
+        return held
 
     def collect(self, manifest: PolicyManifest, leases: Sequence[GroupLease],
                 env_factory: Callable[[], AgentEnv], queue: Any) -> int:
-        """Collect ``leases`` under ``manifest`` and put each complete group on ``queue``."""
+        """Roll out ``leases`` under ``manifest``; put each complete, unscored group on
+        ``queue``."""
         from closedloop.errors import RegistryError
         from closedloop.rollout.source import GeneratorSource
 
@@ -395,9 +400,9 @@ class RolloutWorker:
         spec = self.spec
         source = GeneratorSource(self.generator, spec.decode, manifest.sampler,
                                  manifest.max_action_tokens, manifest.generator_build)
-        collector = Collector(source, spec.renderer, env_factory, spec.verifier,
-                              spec.task_info, manifest, spec.run_id, None, spec.collector)
-        groups = collector.collect(list(leases))
+        collector = Collector(source, spec.renderer, env_factory, None, spec.task_info,
+                              manifest, spec.run_id, None, spec.collector)
+        groups = collector.rollout(list(leases))
         for group in groups:
             queue.put(group, block=True)
         return len(groups)
@@ -427,8 +432,8 @@ class RayCollection:
     def _spawn(self) -> Any:
         return self._cls.options(num_cpus=self.cfg.generator_worker_cpus).remote(self.spec)
 
-    def load(self, adapter_state: dict[str, Any], expected_checksum: str) -> dict[str, str]:
-        """Every generator worker holds the version; returns ``{worker: checksum held}``,
+    def load(self, adapter_state: dict[str, Any], expected_checksum: str) -> dict[str, Any]:
+        """Every generator worker holds the version; returns ``{worker: PolicyChecksum}``,
         each hashed by the worker itself (a mismatch raises ``ChecksumMismatchError``)."""
         import ray
 
@@ -443,11 +448,11 @@ class RayCollection:
         return f"ray-generator-{i}"
 
     def collect(self, manifest: PolicyManifest, leases: Sequence[GroupLease]
-                ) -> list[CollectedGroup]:
-        """Collect ``leases`` (complete groups, in lease order) over the workers."""
+                ) -> list[RolloutGroup]:
+        """Roll out ``leases`` over the workers: complete, unscored groups in lease order."""
         self.envs.heal()
         shares = [list(leases[i::len(self.workers)]) for i in range(len(self.workers))]
-        got: dict[str, CollectedGroup] = {}
+        got: dict[str, RolloutGroup] = {}
         for attempt in range(2):
             pending = self._dispatch(manifest, shares, attempt)
             failed = self._drain(pending, got)
@@ -471,7 +476,7 @@ class RayCollection:
                                                    self.queue)] = i
         return pending
 
-    def _drain(self, pending: dict[Any, int], got: dict[str, CollectedGroup]) -> list[str]:
+    def _drain(self, pending: dict[Any, int], got: dict[str, RolloutGroup]) -> list[str]:
         """Take groups off the queue until every dispatched collection has returned; restart
         (and reload) the workers that died. Returns their names."""
         import ray

@@ -1,8 +1,8 @@
-"""One training run: set-up, warm start, synchronous RL steps with resume, evaluation.
+"""One training run: set-up, warm start, RL steps with resume, evaluation.
 
-``TrainingRun`` owns the run directory and every part a step touches; ``closedloop.training.loop``
-reads like the minimal training loop (docs/concepts.md) and calls its methods. A run directory
-holds::
+``closedloop.training.run.open_run`` opens a run directory and returns a ``Run`` record; the
+roles below act on it and ``closedloop.training.loop`` reads like the minimal training loop
+(docs/concepts.md) as those roles taking turns. A run directory holds::
 
     config.json        the resolved config (and its hash), environment and package versions
     launches.jsonl     one line per launch (git revision, versions, a declared config override)
@@ -29,15 +29,22 @@ seeds and weights; a checkpoint whose step record never reached ``metrics.jsonl`
 right after its commit) is set aside and its step run again; so a resumed run ends with the
 weights and the metrics of an uninterrupted one.
 
-The run's parts, one module each: ``wiring`` (scaffold, manifest, collector parts), ``run``
-(``TrainingRun`` and its set-up), ``state`` (what the parts share), ``run_policy`` (adapter,
-manifest, publication, collection), ``warm_start`` (SFT and the SFT-only control),
-``run_evaluation`` (suites, retain, audit), ``rl_step``, ``resume`` (checkpoint and resume),
-``integrity`` (the run directory proved on every launch) and ``loop`` (the reference loop).
+The run is roles with narrow interfaces, one module each, and plain functions over a ``Run``
+record (``run``: ``open_run``, the one set-up path of every entry point; ``RunContext``, what
+the roles share): the generator worker (``rollout_worker.RolloutWorker``: an inference-only
+copy of π_beh^v that collects complete groups), the verifier step
+(``closedloop.rollout.verifier_step``: clean-room scoring after collection), admission
+(``closedloop.rollout.admission``), the trainer (``trainer_role.TrainerRole``: π_train^u and its
+optimizer), the publisher (``publisher.Publisher``: stage, every worker acknowledges the hash
+of what it holds, then ACTIVE), and the run directory (``run_directory.RunDirectory``).
+``collection`` commits a trace (rollout, then the verifier step); ``warm_start`` (SFT and the
+SFT-only control), ``run_evaluation`` (suites, retain, audit), ``rl_step``, ``resume``
+(checkpoint, commit, resume), ``integrity`` (the run directory proved on every launch) and
+``loop`` (the reference loop, ``opened_run`` and ``train``).
 """
 
 from closedloop.contracts import canonical_json
 from closedloop.training.rl_step import StepReport
-from closedloop.training.run import TrainingRun, write_summary
+from closedloop.training.run import Run, open_run, write_summary
 
-__all__ = ["StepReport", "TrainingRun", "canonical_json", "write_summary"]
+__all__ = ["Run", "StepReport", "canonical_json", "open_run", "write_summary"]

@@ -22,8 +22,8 @@ sequence part way, so on every launch, before anything trains:
 Anything else raises a :class:`RunDirectoryError` that names the file that disagrees, what
 was found and how to recover; the run never trains from a state it cannot prove. The one
 disagreement the write order does produce, a checkpoint whose step record never reached
-``metrics.jsonl``, is resolved by the caller (``TrainingRun.resume``): that checkpoint is set
-aside and its step is run again from the previous one (``ahead=1`` here).
+``metrics.jsonl``, is resolved by the caller (``closedloop.training.resume.resume``): that
+checkpoint is set aside and its step is run again from the previous one (``ahead=1`` here).
 """
 
 from __future__ import annotations

@@ -1,17 +1,18 @@
-"""The reference training loop, in the order of the minimal training loop
-(docs/concepts.md).
+"""The reference training loop: the minimal training loop (docs/concepts.md) as the run's roles
+taking turns.
 
-    for task_batch in sampler:
-        behavior = registry.freeze_current()
-        groups = collector.rollout(policy=behavior, tasks=task_batch, group_size=8)
-        verified = verifier.score_in_clean_room(groups)
-        batch = validator.require_fresh_finite_complete(groups, verified)
-        advantages = rloo(batch.episode_rewards)
-        loss = reinforce_with_kl_loss(...); loss.backward(); optimizer.step()
-        registry.publish_new_checkpoint()
+    for step in range(rl_steps):
+        order    = sampler draws the round's groups          (rl_step.draw_order)
+        groups   = worker.rollout(order) under v_step        (generator, RolloutWorker)
+        scored   = verifier_step.score(groups)               (clean-room verifier step)
+        admitted = admission(scored, u=step)                 (complete, fresh, one version)
+        batch    = credit(admitted)                          (rl_step.assign_credit)
+        trainer.update(batch); trainer.checkpoint(step + 1)  (TrainerRole)
+        publisher.stage(v_step+1); worker acks what it holds; ACTIVE = v_step+1
 
-Each line below calls the library; ``TrainingRun.rl_step`` holds the per-step sequence
-(collect → verify → admit → credit → loss → one optimizer step → checkpoint → publish).
+Each line is one library call; ``closedloop.training.rl_step.rl_step`` holds the per-step
+sequence. ``opened_run`` is the one set-up path of every entry point (train, each
+experiment arm, reevaluate).
 """
 
 from __future__ import annotations
@@ -26,8 +27,18 @@ from closedloop.engine import PrecisionChoice
 from closedloop.evaluate.heldout import EvalSummary
 from closedloop.evaluate.retain import retain_delta
 from closedloop.policy.registry import version_name
-from closedloop.progress import log, phase
-from closedloop.training import StepReport, TrainingRun, write_summary
+from closedloop.progress import log
+from closedloop.training.pipeline import run_rl
+from closedloop.training.resume import resume
+from closedloop.training.rl_step import StepReport
+from closedloop.training.run import Run, attach_roles, open_run, publish, write_summary
+from closedloop.training.run_evaluation import (
+    audit_frozen,
+    evaluate,
+    evaluate_retain,
+    seed_sampler,
+)
+from closedloop.training.warm_start import warm_start
 
 
 def curve_steps(rl_steps: int, points: int) -> tuple[int, ...]:
@@ -41,18 +52,18 @@ def curve_steps(rl_steps: int, points: int) -> tuple[int, ...]:
     return tuple(sorted({round(i * rl_steps / (points - 1)) for i in range(points)}))
 
 
-def evaluate_start(run: TrainingRun) -> EvalSummary:
+def evaluate_start(run: Run) -> EvalSummary:
     """The start policy (v0000) on every suite the config asks for; seeds the task sampler
     with the cold start's train outcomes (before the first RL step only)."""
     cfg = run.cfg
     manifest = run.registry.manifest(version_name(0))
-    start = run.evaluate("start", manifest)
+    start = evaluate(run, "start", manifest)
     if cfg.evaluation.environment_family_disjoint:
-        run.evaluate("start", manifest, suite="family")
+        evaluate(run, "start", manifest, suite="family")
     if cfg.evaluation.cold_start_train_eval:
-        train_start = run.evaluate("start", manifest, suite="train")
-        if run.step == 0:
-            run.seed_sampler(train_start)
+        train_start = evaluate(run, "start", manifest, suite="train")
+        if run.state.step == 0:
+            seed_sampler(run, train_start)
     return start
 
 
@@ -66,25 +77,36 @@ def final_suites(cfg: RunConfig) -> tuple[str, ...]:
         ("train",) if ev.cold_start_train_eval else ())
 
 
-def evaluate_curve_point(run: TrainingRun, step: int) -> None:
+def after_step(run: Run, report: StepReport) -> None:
+    """Log a finished step; in synchronous mode evaluate its curve point at once (under async
+    the worker is collecting: ``train`` evaluates the curve points after the last step)."""
+    log(f"step {report.step}: success {report.mean_success}, admitted {report.admitted}/"
+        f"{report.groups} groups, zero-variance {report.zero_variance}, "
+        f"kl {report.metrics.get('losses/kl')}")
+    if run.cfg.rollout.mode == "synchronous":
+        evaluate_curve_point(run, report.step + 1)
+
+
+def evaluate_curve_point(run: Run, step: int) -> None:
     """Held-out evaluation of v_step, when ``step`` is an intermediate curve point."""
     cfg = run.cfg
     if 0 < step < cfg.training.rl_steps and step in curve_steps(cfg.training.rl_steps,
                                                                  cfg.evaluation.curve_points):
-        run.evaluate(f"step-{step:04d}", run.registry.manifest(version_name(step)))
+        evaluate(run, f"step-{step:04d}", run.registry.manifest(version_name(step)))
 
 
 @contextmanager
 def opened_run(cfg: RunConfig, run_dir: str | Path, config_override: str | None = None,
-               precision: PrecisionChoice | None = None) -> Iterator[TrainingRun]:
-    """The run directory opened (locked, checked; ``precision``: a resolution to adopt on its
-    first launch), its warm start done or reloaded (π_ref = the warm-started policy,
-    "initial_sft") and the RL adapter attached; closed on exit."""
-    run = TrainingRun(cfg, run_dir, config_override, precision)
+               precision: PrecisionChoice | None = None) -> Iterator[Run]:
+    """The one set-up path: the run directory opened (locked, checked; ``precision``: a
+    resolution to adopt on its first launch), its warm start done or reloaded (π_ref = the
+    warm-started policy, "initial_sft") and the roles attached (trainer with the RL adapter,
+    generator worker, publisher); closed on exit."""
+    run = open_run(cfg, run_dir, config_override, precision)
     try:
         if cfg.sft.enabled:
-            run.warm_start()
-        run.attach_rl_adapter()
+            warm_start(run)
+        attach_roles(run)
         yield run
     finally:
         run.close()
@@ -99,31 +121,25 @@ def train(cfg: RunConfig, run_dir: str | Path, config_override: str | None = Non
     retain suites (an experiment's control arm: those claims are the RL arm's); the summary's
     ``retain_delta`` is then None. ``precision``: see ``opened_run``."""
     with opened_run(cfg, run_dir, config_override, precision) as run:
-        if not run.resume():
-            run.publish(version_name(0))
+        if not resume(run):
+            publish(run, version_name(0))
         start = evaluate_start(run)
-        retain_start = run.evaluate_retain("start", run.registry.manifest(version_name(0)))
-        if run.step == 0 and not (run.dir / "audit.json").is_file():
-            run.audit_frozen("start", run.registry.manifest(version_name(0)))
+        retain_start = evaluate_retain(run, "start", run.registry.manifest(version_name(0)))
+        if run.state.step == 0 and not (run.dir / "audit.json").is_file():
+            audit_frozen(run, "start", run.registry.manifest(version_name(0)))
         else:
             log("the start policy's evaluation was reused from its trace")
-        evaluate_curve_point(run, run.step)  # a crash between a step and its curve point
-        steps: list[StepReport] = []
-        for step in range(run.step, cfg.training.rl_steps):
-            with phase(f"rl step {step}"):
-                report = run.rl_step(step)  # behaviour = registry.manifest(v_step), frozen
-            steps.append(report)
-            log(f"step {step}: success {report.mean_success}, admitted {report.admitted}/"
-                f"{report.groups} groups, zero-variance {report.zero_variance}, "
-                f"kl {report.metrics.get('losses/kl')}")
-            evaluate_curve_point(run, step + 1)
+        evaluate_curve_point(run, run.state.step)  # a crash between a step and its curve point
+        steps = run_rl(run, on_step=lambda report: after_step(run, report))
+        for step in curve_steps(cfg.training.rl_steps, cfg.evaluation.curve_points):
+            evaluate_curve_point(run, step)  # under async, the worker was busy until now
         final_version = version_name(cfg.training.rl_steps)
-        final = run.evaluate("final", run.registry.manifest(final_version))
+        final = evaluate(run, "final", run.registry.manifest(final_version))
         for suite in final_suites(cfg) if final_other_suites else ():
-            run.evaluate("final", run.registry.manifest(final_version), suite=suite)
+            evaluate(run, "final", run.registry.manifest(final_version), suite=suite)
         retain = None
         if final_retain:
-            retain_final = run.evaluate_retain("final", run.registry.manifest(final_version))
+            retain_final = evaluate_retain(run, "final", run.registry.manifest(final_version))
             retain = retain_delta(retain_start, retain_final, seed=cfg.training.seed).to_dict()
             run.log_metrics("retain", retain)
         summary = summarize_run(run, start, final, steps)
@@ -137,27 +153,27 @@ def _ci(summary: EvalSummary) -> list[float] | None:
     return list(summary.pass_at_1_ci) if summary.pass_at_1_ci else None
 
 
-def logged_steps(run: TrainingRun) -> list[dict[str, Any]]:
+def logged_steps(run: Run) -> list[dict[str, Any]]:
     """Every RL step's record in the run's metrics log, in step order: all launches of a
     resumed run, not only this one."""
-    return sorted((m for m in run.metrics if m.get("kind") == "rl_step"),
+    return sorted((m for m in run.ctx.directory.metrics if m.get("kind") == "rl_step"),
                   key=lambda m: int(m["step"]))
 
 
-def summarize_run(run: TrainingRun, start: EvalSummary, final: EvalSummary,
+def summarize_run(run: Run, start: EvalSummary, final: EvalSummary,
                   steps: list[StepReport]) -> dict[str, Any]:
     """The short summary printed at the end of a run (and kept as summary.json).
 
     The per-step figures cover every step of the run (from its metrics log, so a resumed run
     reports all of them); ``rl_steps_this_session`` counts the steps this launch trained.
     """
-    counts = run.ledger.counts()
+    counts = run.ctx.ledger.counts()
     logged = logged_steps(run)
     scored_groups = sum(int(m["groups"]) - int(m["discarded"]) for m in logged)
     return {
         "run_dir": str(run.dir),
-        "model": run.loaded.model_id,
-        "heldout_tasks": len(run.heldout_tasks),
+        "model": run.policy.loaded.model_id,
+        "heldout_tasks": len(run.ctx.tasks.heldout),
         "heldout_success_start": start.pass_at_1, "heldout_success_start_ci": _ci(start),
         "heldout_success_final": final.pass_at_1, "heldout_success_final_ci": _ci(final),
         "pass_hat_k_start": start.pass_hat_k, "pass_hat_k_final": final.pass_hat_k,
@@ -172,6 +188,6 @@ def summarize_run(run: TrainingRun, start: EvalSummary, final: EvalSummary,
                                / max(1, scored_groups)),
         "ledger": {k: v for k, v in counts.__dict__.items()} if hasattr(counts, "__dict__")
         else str(counts),
-        "sft_action_tokens": run.sft_tokens,
+        "sft_action_tokens": run.state.sft_tokens,
         "seconds_by_step": [m.get("seconds") for m in logged],
     }

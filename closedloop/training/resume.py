@@ -1,71 +1,99 @@
 """Checkpoint and resume of a training run: the atomic trainer checkpoint written after every
-RL step (and at step 0), and the resume that proves the run directory, restores the
-checkpoint it names and reconciles the ledger with it."""
+RL step (and at step 0), the commit that follows it (ledger, then publication), and the resume
+that proves the run directory, restores the checkpoint it names and reconciles the ledger.
+
+The trainer checkpoint is the commit point of a step (``closedloop.rollout.ledger``): weights,
+optimizer, RNG states, the cumulative consumed group ids, the output version, the task
+sampler and the work orders drawn for rounds not yet consumed commit together; only then does
+the ledger mark the step's groups consumed and the publisher stage the output version.
+"""
 
 from __future__ import annotations
 
-from closedloop.errors import (
-    CheckpointError,
-    LedgerInconsistencyError,
-    RunNotReadyError,
-    RunStateError,
-)
-from closedloop.learn.checkpoint import capture_rng_states, restore_rng_states, save_checkpoint
-from closedloop.policy.lora import policy_weight_checksum
+from collections.abc import Sequence
+from typing import Any
+
+from closedloop.errors import LedgerInconsistencyError, RunStateError
+from closedloop.learn.checkpoint import capture_rng_states, restore_rng_states
 from closedloop.policy.registry import version_name
 from closedloop.progress import log
 from closedloop.rollout.task_sampler import DifficultyBandSampler
+from closedloop.rollout.verifier_step import CollectedGroup
+from closedloop.rollout.work_orders import WorkOrder
 from closedloop.training.integrity import prove_state
-from closedloop.training.run_policy import RunPolicy, adapter_state
+from closedloop.training.run import Run, publish
+
+__all__ = ["checkpoint", "commit_step", "resume"]
 
 
-class RunCheckpoints(RunPolicy):
-    """The run's checkpoints and resume (a ``TrainingRun`` part)."""
+def checkpoint(run: Run, step: int, version: str) -> None:
+    """Commit trainer checkpoint ``step`` (output ``version``) atomically."""
+    trainer, worker, _ = run.roles()
+    state = run.state
+    extra: dict[str, Any] = {"sft_tokens": state.sft_tokens,
+                             "task_sampler": state.sampler.to_dict(),
+                             "ledger_digest": run.ctx.ledger.digest().to_dict()}
+    pending = [o.to_dict() for r, o in sorted(state.orders.items()) if r >= step]
+    if pending:
+        extra["work_orders"] = pending
+    trainer.checkpoint(run.dir / "checkpoints", step, version, sorted(state.consumed),
+                       capture_rng_states({"generator": worker.rng}), extra)
 
-    def _checkpoint(self, step: int, version: str) -> None:
-        if self.trainer is None:
-            raise RunNotReadyError("no trainer")
-        adapter = adapter_state(self.model)
-        save_checkpoint(self.dir / "checkpoints", step, adapter,
-                        self.trainer.optimizer.state_dict(), version, sorted(self.consumed),
-                        capture_rng_states({"generator": self.generator.rng}),
-                        {"sft_tokens": self.sft_tokens, "task_sampler": self.sampler.to_dict(),
-                         "ledger_digest": self.ledger.digest().to_dict()})
 
-    def resume(self) -> bool:
-        """Prove the run directory's state (``closedloop.training.integrity.prove_state``), restore
-        the checkpoint it names and reconcile the ledger with it. Without a checkpoint (a new
-        run) write the step-0 one (the fresh adapter, optimizer and RNG states) and return
-        False."""
-        if self.trainer is None:
-            raise RunNotReadyError("attach_rl_adapter() first")
-        ckpt, _ = prove_state(self.dir, self.ledger, self.registry.versions(), self.metrics)
-        if ckpt is None:
-            self._checkpoint(0, version_name(0))
-            return False
-        missing = self.model.load_state_dict(ckpt.model_state, strict=False)
-        if missing.unexpected_keys:
-            raise CheckpointError(f"checkpoint holds unknown tensors: {missing.unexpected_keys}")
-        self.trainer.optimizer.load_state_dict(ckpt.optimizer_state)
-        restore_rng_states(ckpt.rng_states, {"generator": self.generator.rng}
-                           if "generator" in ckpt.rng_states.get("generators", {}) else None)
-        if "task_sampler" in ckpt.extra:
-            self.sampler = DifficultyBandSampler.from_dict(ckpt.extra["task_sampler"])
-        self.step = ckpt.step
-        self.trainer.step_count = ckpt.step
-        self.consumed = set(ckpt.consumed_group_ids)
-        try:
-            report = self.ledger.reconcile_with_checkpoint(self.consumed, ckpt.step,
-                                                           ckpt.output_policy_version)
-        except LedgerInconsistencyError as exc:
-            raise RunStateError(self.ledger.path, f"disagrees with {ckpt.path} ({exc})",
-                                "restore ledger.sqlite and checkpoints/ from one backup, or "
-                                "start a new run directory") from None
-        log(f"resumed at step {ckpt.step} ({ckpt.output_policy_version}); ledger: "
-            f"{len(report.marked_consumed)} marked consumed from the checkpoint, "
-            f"{len(report.reverted_to_admitted)} reverted to admitted")
-        self.generator.refresh_weights(policy_weight_checksum(self.model).combined)
-        active = self.registry.active()
-        if active is None or active.version != ckpt.output_policy_version:
-            self.publish(ckpt.output_policy_version)
-        return True
+def commit_step(run: Run, step: int, admitted: Sequence[CollectedGroup], output: str, *,
+                publish_inline: bool = True) -> None:
+    """After step ``step``'s update: checkpoint ``step + 1`` (the commit point), mark the
+    admitted groups consumed in the ledger, stage ``output``; with ``publish_inline`` the
+    worker loads and acknowledges it at once (else at its next round boundary)."""
+    run.state.consumed.update(g.lease.group_id for g in admitted)
+    checkpoint(run, step + 1, output)
+    if admitted:
+        run.ctx.ledger.mark_consumed([g.lease.group_id for g in admitted], step + 1, output)
+    if publish_inline:
+        publish(run, output)
+    else:
+        trainer, _, publisher = run.roles()
+        publisher.stage(output, trainer.adapter_state(), trainer.checksum())
+
+
+def resume(run: Run) -> bool:
+    """Prove the run directory's state (``closedloop.training.integrity.prove_state``), restore
+    the checkpoint it names and reconcile the ledger with it; the worker then holds the
+    checkpoint's version (published now if the registry's ACTIVE pointer is behind). Without a
+    checkpoint (a new run) write the step-0 one (the fresh adapter, optimizer and RNG states)
+    and return False."""
+    trainer, worker, _ = run.roles()
+    ctx, state = run.ctx, run.state
+    ckpt, _ = prove_state(run.dir, ctx.ledger, ctx.registry.versions(), ctx.directory.metrics)
+    if ckpt is None:
+        checkpoint(run, 0, version_name(0))
+        return False
+    trainer.restore(ckpt)
+    restore_rng_states(ckpt.rng_states, {"generator": worker.rng}
+                       if "generator" in ckpt.rng_states.get("generators", {}) else None)
+    if "task_sampler" in ckpt.extra:
+        state.sampler = DifficultyBandSampler.from_dict(ckpt.extra["task_sampler"])
+    state.orders = {o.round: o for o in (WorkOrder.from_dict(d)
+                                         for d in ckpt.extra.get("work_orders", []))}
+    state.step = ckpt.step
+    state.consumed = set(ckpt.consumed_group_ids)
+    try:
+        report = ctx.ledger.reconcile_with_checkpoint(state.consumed, ckpt.step,
+                                                      ckpt.output_policy_version)
+    except LedgerInconsistencyError as exc:
+        raise RunStateError(ctx.ledger.path, f"disagrees with {ckpt.path} ({exc})",
+                            "restore ledger.sqlite and checkpoints/ from one backup, or "
+                            "start a new run directory") from None
+    log(f"resumed at step {ckpt.step} ({ckpt.output_policy_version}); ledger: "
+        f"{len(report.marked_consumed)} marked consumed from the checkpoint, "
+        f"{len(report.reverted_to_admitted)} reverted to admitted")
+    active = ctx.registry.active()
+    if active is None or active.version != ckpt.output_policy_version:
+        publish(run, ckpt.output_policy_version)
+    elif active.checksum != trainer.checksum().combined:
+        raise RunStateError(ctx.registry.root / "ACTIVE", f"names {active.version} with "
+                            f"weights other than {ckpt.path.name}'s", "restore registry/ and "
+                            "checkpoints/ from one backup, or start a new run directory")
+    else:
+        worker.load(ckpt.output_policy_version)
+    return True

@@ -1,13 +1,18 @@
-"""``TrainingRun``: one run directory opened (locked, its config and tasks checked, the model
-loaded) with the parts that act on it, and ``write_summary`` at its end."""
+"""The one set-up path of every entry point (train, each experiment arm, reevaluate): a run
+directory opened and proved, its tasks, its policy loaded, and the roles that act on it.
+
+``open_run`` returns a :class:`Run`: a plain record of what the run shares
+(:class:`RunContext`: config, directory, environment package, task sets, verifier, ledger,
+registry), the policy as loaded (:class:`PolicyStack`), what the loop advances
+(:class:`LoopState`), and, once ``attach_roles`` has run, the roles: the trainer
+(``TrainerRole``), the generator worker (``RolloutWorker``) and the publisher. The functions of
+``warm_start``, ``evaluation``, ``rl_step``, ``resume`` and ``loop`` take a ``Run``.
+"""
 
 from __future__ import annotations
 
-import os
-import platform
 import random
-import subprocess
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -15,27 +20,31 @@ import numpy as np
 import torch
 
 from closedloop.config import RunConfig, task_set_request
-from closedloop.contracts.metrics_log import MetricsLog
-from closedloop.contracts.package import TaskSetRequest
-from closedloop.engine import PrecisionChoice, resolve_for_run
-from closedloop.errors import EnvPackageError
-from closedloop.policy import check_append_only, load_model
+from closedloop.contracts import GuardedVerifier, PolicyManifest, sha256_hex
+from closedloop.contracts.package import EnvPackage, TaskSetRequest
+from closedloop.engine import PrecisionChoice, precision_label
+from closedloop.errors import EnvPackageError, RunNotReadyError
+from closedloop.learn.logprob_audit import sample_drift
+from closedloop.policy import LoadedModel, check_append_only, load_model
+from closedloop.policy.lora import PolicyChecksum
 from closedloop.policy.registry import PolicyRegistry
 from closedloop.progress import log, phase
 from closedloop.rollout.admission import AdmissionController
 from closedloop.rollout.ledger import Ledger
+from closedloop.rollout.queues import AdmissionQueue
 from closedloop.rollout.task_sampler import DifficultyBandSampler
-from closedloop.training.integrity import (
-    RunLock,
-    check_config,
-    check_tasks,
-    recorded_meta,
-    require_complete,
-)
-from closedloop.training.rl_step import RunRLStep
-from closedloop.training.run_evaluation import RunEvaluation
-from closedloop.training.warm_start import RunWarmStart
-from closedloop.training.wiring import make_renderer, run_package
+from closedloop.rollout.work_orders import WorkOrder
+from closedloop.training.integrity import check_tasks, require_complete
+from closedloop.training.publisher import Publisher
+from closedloop.training.rollout_worker import RolloutWorker, WorkerParts
+from closedloop.training.run_directory import RunDirectory
+from closedloop.training.trainer_role import TrainerRole
+from closedloop.training.wiring import build_manifest, make_renderer, run_package
+
+__all__ = ["LoopState", "PolicyStack", "Run", "RunContext", "TaskSets", "attach_roles",
+           "load_policy", "manifest_for", "open_run", "write_summary"]
+
+GENERATOR_WORKER = "generator-0"
 
 
 def _seed_all(seed: int) -> None:
@@ -45,155 +54,270 @@ def _seed_all(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _git_revision() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).parent, timeout=5, check=False)
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
+@dataclass(frozen=True)
+class TaskSets:
+    """The run's task ids: train (RL draws groups from them), held-out (template-disjoint),
+    family-disjoint, and the noisy expert's demonstration tasks (never a train or eval task)."""
+
+    train: list[str]
+    heldout: list[str]
+    family: list[str]
+    demo: list[str]
 
 
-def _versions() -> dict[str, str]:
-    import peft
-    import transformers
+@dataclass
+class PolicyStack:
+    """The policy as loaded: ``model`` is the base, then base + SFT merged after the warm start
+    (π_ref); the trainer role wraps it with the RL adapter."""
 
-    return {"torch": torch.__version__, "transformers": transformers.__version__,
-            "peft": peft.__version__, "python": platform.python_version(),
-            "machine": f"{platform.machine()} {os.cpu_count()} cpus"}
+    loaded: LoadedModel
+    tokenizer: Any
+    renderer: Any
+    pad_id: int
+    model: Any
 
 
-class TrainingRun(RunRLStep, RunEvaluation, RunWarmStart):
-    """The state of one run (see ``closedloop.training``): set-up here; the policy and
-    collection (``closedloop.training.run_policy``), the warm start and SFT-only control
-    (``.warm_start``), evaluation and audit (``.evaluation``), the RL step (``.rl_step``) and
-    checkpoint/resume (``.checkpoints``) are its parts."""
+@dataclass(frozen=True)
+class RunContext:
+    """What every role of one run shares (read-only)."""
 
-    def __init__(self, cfg: RunConfig, run_dir: str | Path,
-                 config_override: str | None = None,
-                 precision: PrecisionChoice | None = None) -> None:
-        """Lock the run directory and check its config against the recorded one
-        (``closedloop.training.integrity``; ``config_override`` is the declared reason for a
-        change).
-        ``precision``: a resolution to adopt on the first launch (an experiment's arms share
-        their cold start's); a run directory's recorded one always wins.
-        """
-        self.cfg = cfg
-        self.dir = Path(run_dir)
-        for sub in ("traces", "checkpoints", "sft"):
-            (self.dir / sub).mkdir(parents=True, exist_ok=True)
-        self._lock = RunLock(self.dir)
-        try:
-            self._open(cfg, config_override, precision)
-        except BaseException:
-            self._lock.release()
-            raise
+    cfg: RunConfig
+    directory: RunDirectory
+    package: EnvPackage
+    tasks: TaskSets
+    verifier: GuardedVerifier
+    ledger: Ledger
+    registry: PolicyRegistry
 
-    def _open(self, cfg: RunConfig, config_override: str | None,
-              precision: PrecisionChoice | None) -> None:
-        recorded = recorded_meta(self.dir).get("precision")
-        self.precision = resolve_for_run(
-            cfg.training.precision,
-            recorded if recorded is not None or precision is None else precision.to_dict())
-        log(f"precision: {self.precision.describe()}")
-        check_config(self.dir, cfg.to_dict(), {"config_hash": cfg.config_hash(),
-                                               "git_revision": _git_revision(),
-                                               "versions": _versions(),
-                                               "precision": self.precision.to_dict()},
-                     config_override)
-        self.run_id = f"{self.dir.name}"
-        self.metrics_path = self.dir / "metrics.jsonl"
-        self.metrics = MetricsLog(self.metrics_path)
-        if self.metrics.repaired_tail:
-            log(f"{self.metrics_path}: cut off a last line a killed launch left unfinished")
-        _seed_all(cfg.training.seed)
-        self.package = run_package(cfg.environment)  # tasks, env, verifier, scaffold
-        tasks_json = self.dir / "tasks.json"
-        recorded_tasks = tasks_json.read_bytes() if tasks_json.is_file() else None
-        self._build_tasks()
-        check_tasks(tasks_json, recorded_tasks, {"train": self.train_tasks,
-                                                 "heldout": self.heldout_tasks},
-                    config_override)
-        with phase("model load"):
-            self._load_policy()
-        self.verifier = self.package.verifier()
-        self.ledger = Ledger(self.dir / "ledger.sqlite")
-        self.registry = PolicyRegistry(self.dir / "registry")
-        self.admission = AdmissionController(cfg.rollout.max_version_lag,
-                                             censor_rule=cfg.credit.censor_rule)
-        self.sampler = DifficultyBandSampler(
-            self.train_tasks, [self.package.task_info(t).family for t in self.train_tasks],
-            seed=cfg.training.seed)
-        self.trainer = None
-        self.step = 0
-        self.consumed = set()
-        self.sft_tokens = 0
+    @property
+    def precision(self) -> PrecisionChoice:
+        """The run's resolved precision (every matmul path uses ``.precision``)."""
+        return self.directory.precision
 
-    # ------------------------------------------------------------------ set-up
-    def _build_tasks(self) -> None:
-        request = task_set_request(self.cfg, self.package)
-        sets = self.package.task_sets(request)
-        self.train_tasks, self.heldout_tasks = list(sets.train), list(sets.heldout)
-        if request.family_tasks and "family" not in sets.suites:
-            raise EnvPackageError(f"environment package {self.package.env_id!r} has no "
-                                  "family-disjoint suite; set evaluation."
-                                  "environment_family_disjoint: false")
-        self.family_tasks = list(sets.suites.get("family", ()))
-        self.demo_tasks = self._demo_tasks(request)
-        self._write_json("tasks.json", {
-            "env_id": self.package.env_id, "train": self.train_tasks,
-            "heldout": self.heldout_tasks, "family": self.family_tasks,
-            "demo": self.demo_tasks, "discarded": list(sets.discarded), **sets.audit})
-        log(f"tasks: {len(self.train_tasks)} train / {len(self.heldout_tasks)} held-out "
-            f"(template-disjoint) / {len(self.family_tasks)} family-disjoint "
-            f"of {self.package.env_id}, {len(sets.discarded)} discarded by the solvability "
-            f"filter; demonstrations on {len(self.demo_tasks)} other train-template tasks")
+    def log_metrics(self, kind: str, data: dict[str, Any], step: int) -> None:
+        """``RunDirectory.log_metrics``."""
+        self.directory.log_metrics(kind, data, step)
 
-    def _demo_tasks(self, request: TaskSetRequest) -> list[str]:
-        """The tasks the noisy expert demonstrates: other instances of the train templates (the
-        package's train set at ``task_seed + 1``, less every train and evaluation task), so the
-        warm start teaches the templates without memorizing the tasks RL then trains on and the
-        cold start's train success measures the policy, not recall. A package that has no other
-        instances leaves the train tasks themselves (logged)."""
-        other = self.package.task_sets(replace(request, seed=request.seed + 1, family_tasks=0))
-        taken = {*self.train_tasks, *self.heldout_tasks, *self.family_tasks}
-        demo = [t for t in other.train if t not in taken]
-        if not demo:
-            log("demonstrations: the package has no train-template tasks besides the run's; "
-                "the warm start demonstrates the train tasks")
-            return list(self.train_tasks)
-        return demo
 
-    def _load_policy(self) -> None:
-        cfg = self.cfg
-        model_arg = None if cfg.model == "embedded" else cfg.model
-        self.loaded = load_model(model_arg, dtype=cfg.training.dtype)
-        log(f"model {self.loaded.model_id} loaded from {self.loaded.source} in "
-            f"{self.loaded.load_seconds:.1f}s")
-        self.tokenizer = self.loaded.tokenizer
-        self.model = self.loaded.model
-        if getattr(self.model, "hf_quantizer", None) is not None:
-            self.model.hf_quantizer.remove_quantization_config(self.model)
-        self.renderer = make_renderer(self.tokenizer, self.package)
-        report = check_append_only(self.renderer)
-        self._write_json("template.json", report._asdict() if hasattr(report, "_asdict")
-                         else report.__dict__)
-        self.pad_id = int(self.tokenizer.pad_token_id or 0)
+@dataclass
+class LoopState:
+    """What the loop advances: the step (= versions trained), the consumed group ids, the
+    warm start's trained action tokens, the task sampler, and the work orders drawn for rounds
+    not yet consumed."""
+
+    sampler: DifficultyBandSampler
+    step: int = 0
+    consumed: set[str] = field(default_factory=set)
+    sft_tokens: int = 0
+    orders: dict[int, WorkOrder] = field(default_factory=dict)
+
+
+@dataclass
+class Run:
+    """One open run (module doc). ``trainer``, ``worker`` and ``publisher`` are set by
+    ``attach_roles`` (after the warm start)."""
+
+    ctx: RunContext
+    policy: PolicyStack
+    state: LoopState
+    queue: AdmissionQueue
+    trainer: TrainerRole | None = None
+    worker: RolloutWorker | None = None
+    publisher: Publisher | None = None
+    scale: Any = None  # Ray workers or a vLLM engine for the RL rounds (training.scale_out)
+
+    @property
+    def cfg(self) -> RunConfig:
+        """The run's config."""
+        return self.ctx.cfg
+
+    @property
+    def dir(self) -> Path:
+        """The run directory."""
+        return self.ctx.directory.path
+
+    @property
+    def registry(self) -> PolicyRegistry:
+        """The policy registry."""
+        return self.ctx.registry
+
+    def log_metrics(self, kind: str, data: dict[str, Any]) -> None:
+        """One metrics record keyed by the current step unless it names its own."""
+        self.ctx.log_metrics(kind, data, self.state.step)
+
+    def roles(self) -> tuple[TrainerRole, RolloutWorker, Publisher]:
+        """The trainer, worker and publisher (``RunNotReadyError`` before ``attach_roles``)."""
+        if self.trainer is None or self.worker is None or self.publisher is None:
+            raise RunNotReadyError("attach_roles() first")
+        return self.trainer, self.worker, self.publisher
 
     def close(self) -> None:
         """Stop the scale-out workers, close the ledger and release the run directory."""
         try:
-            scale = getattr(self, "_scale_out", None)
-            if scale is not None:
-                scale.close()
-            self.ledger.close()
+            if self.scale is not None:
+                self.scale.close()
+            self.ctx.ledger.close()
         finally:
-            self._lock.release()
+            self.ctx.directory.close()
 
 
-def write_summary(run: TrainingRun, data: dict[str, Any]) -> Path:
+# ----------------------------------------------------------------------------- set-up
+def load_policy(model: str, dtype: str, package: EnvPackage | None = None) -> PolicyStack:
+    """The model (``embedded`` or a local folder), its tokenizer and the package's chat
+    renderer: what every entry point samples with (``closedloop collect`` included)."""
+    loaded = load_model(None if model == "embedded" else model, dtype=dtype)
+    log(f"model {loaded.model_id} loaded from {loaded.source} in {loaded.load_seconds:.1f}s")
+    if getattr(loaded.model, "hf_quantizer", None) is not None:
+        loaded.model.hf_quantizer.remove_quantization_config(loaded.model)
+    renderer = make_renderer(loaded.tokenizer, package)
+    return PolicyStack(loaded, loaded.tokenizer, renderer,
+                       int(loaded.tokenizer.pad_token_id or 0), loaded.model)
+
+
+def open_run(cfg: RunConfig, run_dir: str | Path, config_override: str | None = None,
+             precision: PrecisionChoice | None = None) -> Run:
+    """Open, lock and prove ``run_dir`` for ``cfg`` (``closedloop.training.integrity``;
+    ``config_override``: the declared reason for a changed config; ``precision``: a
+    resolution to adopt on the first launch), build its tasks, load the policy."""
+    directory = RunDirectory(run_dir, cfg, config_override, precision)
+    try:
+        _seed_all(cfg.training.seed)
+        package = run_package(cfg.environment)  # tasks, env, verifier, scaffold
+        tasks_json = directory.path / "tasks.json"
+        recorded_tasks = tasks_json.read_bytes() if tasks_json.is_file() else None
+        tasks = _build_tasks(cfg, package, directory)
+        check_tasks(tasks_json, recorded_tasks, {"train": tasks.train,
+                                                 "heldout": tasks.heldout}, config_override)
+        with phase("model load"):
+            policy = load_policy(cfg.model, cfg.training.dtype, package)
+        report = check_append_only(policy.renderer)
+        directory.write_json("template.json", report._asdict() if hasattr(report, "_asdict")
+                             else report.__dict__)
+        ctx = RunContext(cfg, directory, package, tasks, package.verifier(),
+                         Ledger(directory.path / "ledger.sqlite"),
+                         PolicyRegistry(directory.path / "registry"))
+    except BaseException:
+        directory.close()
+        raise
+    sampler = DifficultyBandSampler(tasks.train, [package.task_info(t).family
+                                                  for t in tasks.train],
+                                    seed=cfg.training.seed)
+    controller = AdmissionController(cfg.rollout.max_version_lag,
+                                     drift_tol=cfg.rollout.max_sample_drift,
+                                     censor_rule=cfg.credit.censor_rule)
+    queue = AdmissionQueue(controller, ctx.ledger, groups_per_round=cfg.training.groups_per_step,
+                           max_version_lag=cfg.rollout.max_version_lag)
+    return Run(ctx, policy, LoopState(sampler), queue)
+
+
+def _build_tasks(cfg: RunConfig, package: EnvPackage, directory: RunDirectory) -> TaskSets:
+    request = task_set_request(cfg, package)
+    sets = package.task_sets(request)
+    train, heldout = list(sets.train), list(sets.heldout)
+    if request.family_tasks and "family" not in sets.suites:
+        raise EnvPackageError(f"environment package {package.env_id!r} has no "
+                              "family-disjoint suite; set evaluation."
+                              "environment_family_disjoint: false")
+    family = list(sets.suites.get("family", ()))
+    demo = _demo_tasks(package, request, {*train, *heldout, *family}, train)
+    directory.write_json("tasks.json", {
+        "env_id": package.env_id, "train": train, "heldout": heldout, "family": family,
+        "demo": demo, "discarded": list(sets.discarded), **sets.audit})
+    log(f"tasks: {len(train)} train / {len(heldout)} held-out (template-disjoint) / "
+        f"{len(family)} family-disjoint of {package.env_id}, {len(sets.discarded)} discarded "
+        f"by the solvability filter; demonstrations on {len(demo)} other train-template tasks")
+    return TaskSets(train, heldout, family, demo)
+
+
+def _demo_tasks(package: EnvPackage, request: TaskSetRequest, taken: set[str],
+                train: list[str]) -> list[str]:
+    """The tasks the noisy expert demonstrates: other instances of the train templates (the
+    package's train set at ``task_seed + 1``, less every train and evaluation task), so the
+    warm start teaches the templates without memorizing the tasks RL then trains on and the
+    cold start's train success measures the policy, not recall. A package that has no other
+    instances leaves the train tasks themselves (logged)."""
+    other = package.task_sets(replace(request, seed=request.seed + 1, family_tasks=0))
+    demo = [t for t in other.train if t not in taken]
+    if not demo:
+        log("demonstrations: the package has no train-template tasks besides the run's; "
+            "the warm start demonstrates the train tasks")
+        return list(train)
+    return demo
+
+
+def manifest_for(run: Run, version: str, checksum: PolicyChecksum | None = None,
+                 demo: bool = False) -> PolicyManifest:
+    """The manifest of ``version`` under the run's scaffold, naming the weights ``checksum``
+    (default: the trainer's as they are now).
+
+    ``demo=True`` gives the scripted demonstrator's manifest: same scaffold, and a weight
+    checksum that names the script, since no weights sampled those actions.
+    """
+    cfg, policy = run.cfg, run.policy
+    if demo:
+        script = sha256_hex(f"scripted-noisy-expert/{cfg.sft.noise_rate}")
+        base = adapter = None
+        version, combined = "scripted-noisy-expert", script
+    else:
+        if checksum is None:
+            checksum = run.roles()[0].checksum()
+        base, adapter, combined = checksum
+    return build_manifest(
+        policy_version=version, weight_checksum=combined,
+        tokenizer_revision=policy.loaded.tokenizer_revision, renderer=policy.renderer,
+        sampler=cfg.rollout.sampler, step_budget=cfg.environment.max_turns,
+        max_action_tokens=cfg.rollout.max_action_tokens, model_id=policy.loaded.model_id,
+        dtype=precision_label(run.ctx.precision.precision, cfg.training.dtype),
+        base_weight_checksum=base, adapter_checksum=adapter)
+
+
+def attach_roles(run: Run) -> None:
+    """Wrap the (warm-started) base with a fresh RL adapter (the trainer role), give the
+    generator worker its own inference copy, and set up the publisher; ``trainer.json``
+    records the trainer's config."""
+    cfg, ctx = run.cfg, run.ctx
+    precision = ctx.precision.precision
+    run.trainer = TrainerRole(run.policy.model, cfg, precision)
+    parts = WorkerParts(ctx.directory.run_id, run.policy.renderer, ctx.package,
+                        cfg.environment.max_turns, cfg.training.seed)
+    run.worker = RolloutWorker(run.trainer.model, run.policy.tokenizer, ctx.registry, parts,
+                               worker_id=GENERATOR_WORKER, seed=cfg.training.seed,
+                               precision=precision)
+    run.publisher = Publisher(ctx.registry, [GENERATOR_WORKER],
+                              lambda version, checksum: manifest_for(run, version, checksum))
+    from closedloop.training.scale_out import make_scale_out
+
+    run.scale = make_scale_out(run)  # its workers must acknowledge every version too
+    if run.scale is not None:
+        run.publisher.worker_ids += tuple(run.scale.worker_ids)
+    run.queue.drift = lambda group: group_drift(run, group)
+    ctx.directory.write_json("trainer.json", run.trainer.config.__dict__)
+
+
+def group_drift(run: Run, group: Any) -> float | None:
+    """D_sample of a group's action tokens under the trainer's current weights (the drift
+    gate's measure, ``closedloop.learn.logprob_audit.sample_drift``)."""
+    trainer = run.roles()[0]
+    return sample_drift(trainer.model, list(group.episodes), pad_id=run.policy.pad_id,
+                        precision=run.ctx.precision.precision,
+                        temperature=run.cfg.rollout.temperature)
+
+
+def publish(run: Run, version: str) -> PolicyManifest:
+    """Stage the trainer's adapter as ``version``; the worker loads it and acknowledges the
+    checksum of what it holds; the version becomes active."""
+    trainer, worker, publisher = run.roles()
+    manifest = publisher.stage(version, trainer.adapter_state(), trainer.checksum())
+    worker.load(version)
+    publisher.acknowledge(worker.worker_id, version, worker.held_checksum())
+    if run.scale is not None:  # Ray workers or the vLLM replica (training.scale_out)
+        run.scale.publish(version)
+    return manifest
+
+
+def write_summary(run: Run, data: dict[str, Any]) -> Path:
     """Write summary.json atomically and return its path, once every RL step of the config is
     committed and logged (``RunStateError`` otherwise)."""
-    require_complete(run.dir, run.cfg.training.rl_steps, run.metrics)
-    run._write_json("summary.json", data)
+    require_complete(run.dir, run.cfg.training.rl_steps, run.ctx.directory.metrics)
+    run.ctx.directory.write_json("summary.json", data)
     return run.dir / "summary.json"

@@ -71,7 +71,7 @@ class CollectorParts:
     """What a collector needs besides its action source."""
 
     renderer: Any
-    verifier: TaskVerifier
+    verifier: TaskVerifier | None  # None: a generator that only rolls out (no ``collect``)
     run_id: str
     writer: TraceWriter | None
     max_turns: int

@@ -257,7 +257,7 @@ def _admit(ledger: Ledger, groups: list[CollectedGroup], step: int) -> list[Coll
 
 
 def _demos(root: Path, train: list[str]) -> None:
-    # as TrainingRun.manifest_for(demo=True): the scaffold, with the script as identity
+    # as closedloop.training.run.manifest_for(demo=True): the scaffold, with the script as identity
     data = template().to_dict()
     data.update(policy_version="scripted-noisy-expert", weight_checksum=sha256_hex("script"),
                 base_weight_checksum=None, adapter_checksum=None)
@@ -336,7 +336,7 @@ def half_success(task: str, key: str) -> bool:
 
 def audit_record(run: Path, abs_max: float = 1e-5, abs_p95: float = 1e-6,
                  k3: float = 1e-11, abs_p99: float = 5e-6) -> dict[str, Any]:
-    """An ``audit.json`` as ``TrainingRun.audit_frozen`` writes it, for the run's v0000."""
+    """An ``audit.json`` as ``run_evaluation.audit_frozen`` writes it, for the run's v0000."""
     checksum = PolicyRegistry(run / "registry").manifest("v0000").weight_checksum
     return {"label": "start", "version": "v0000", "n_episodes": 8, "n_tokens": 240,
             "signed_mean": 0.0, "abs_p95": abs_p95, "abs_p99": abs_p99, "abs_max": abs_max,

@@ -27,6 +27,7 @@ from closedloop.rollout.ray_workers import (
     remote_get,
 )
 from closedloop.rollout.source import GeneratorSource
+from closedloop.rollout.verifier_step import VerifierStep
 from closedloop.training.wiring import build_manifest
 
 T = 0.7
@@ -58,18 +59,18 @@ def setup(tmp_path_factory, ray_local):
     adapter = {k: v.detach().clone() for k, v in split_state_dict(policy)[1].items()}
     config = CollectorConfig(max_turns=3, sampling_salt=SALT)
     spec = PolicySpec(HFPolicyBuilder(str(root / "model"), lora_rank=4, lora_alpha=8), renderer,
-                      renderer.action_text, package.verifier(), package.family_split, "ray-run",
-                      config)
+                      renderer.action_text, package.family_split, "ray-run", config)
     ray = RayCollection(spec, package.make_env, RayWorkersConfig(
         env_workers=2, env_worker_cpus=0.25, generator_workers=1, generator_worker_cpus=1.0,
         queue_capacity=2, call_timeout_s=120))
     held = ray.load(adapter, checksum)
-    assert held == {"ray-generator-0": checksum}
+    assert {w: c.combined for w, c in held.items()} == {"ray-generator-0": checksum}
     local = Collector(GeneratorSource(HFGenerator(policy, tok, seed=0), renderer.action_text,
                                       SamplerConfig(T), 12, manifest.generator_build),
                       renderer, package.make_env, package.verifier(), package.family_split,
                       manifest, "ray-run", None, config)
-    yield dict(ray=ray, local=local, manifest=manifest, root=root)
+    yield dict(ray=ray, local=local, manifest=manifest, root=root,
+               verify=VerifierStep(package.verifier()))
     ray.shutdown()
 
 
@@ -91,7 +92,7 @@ def _comparable(episode):
 def test_same_seeds_give_the_in_process_trajectories(setup):
     leases = _leases(setup["local"], 3, 3, "same")
     local = setup["local"].collect(leases)
-    remote = setup["ray"].collect(setup["manifest"], leases)
+    remote = setup["verify"].score(setup["ray"].collect(setup["manifest"], leases))
     assert [g.lease for g in remote] == [g.lease for g in local]
     pairs = [(a, b) for ga, gb in zip(local, remote, strict=True)
              for a, b in zip(ga.episodes, gb.episodes, strict=True)]
@@ -102,7 +103,8 @@ def test_same_seeds_give_the_in_process_trajectories(setup):
 def test_a_killed_environment_worker_aborts_its_episodes_and_the_run_goes_on(setup):
     ray, manifest = setup["ray"], setup["manifest"]
     pid = remote_get(ray.envs.actors[0].exit_after.remote(4), 30, "env-worker-0")
-    (group,) = ray.collect(manifest, _leases(setup["local"], 1, 4, "kill"))
+    (group,) = setup["verify"].score(ray.collect(manifest, _leases(setup["local"], 1, 4,
+                                                                     "kill")))
     ends = [ep.trajectory.termination for ep in group.episodes]
     assert Termination.INFRA_ABORT in ends, ends  # the siblings placed on the dead worker
     assert all(ep.trajectory.reward is None for ep in group.episodes
@@ -122,5 +124,5 @@ def test_a_killed_environment_worker_aborts_its_episodes_and_the_run_goes_on(set
     # the pool replaces the dead worker and the next collection completes
     (after,) = ray.collect(manifest, _leases(setup["local"], 1, 4, "after"))
     assert ray.envs.replaced == 1
-    assert all(ep.trajectory.termination != Termination.INFRA_ABORT for ep in after.episodes)
+    assert all(r.termination != Termination.INFRA_ABORT for r in after.rollouts)
     assert remote_get(ray.envs.actors[0].ping.remote(), 30, "env-worker-0") != pid

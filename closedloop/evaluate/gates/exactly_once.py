@@ -84,16 +84,55 @@ def gate_max_version_lag(run: RunDir, opts: GateOptions) -> Gate:
                      f"{n} consumed groups, every lag within [0, {bound}]")
 
 
+EQUIVALENCE_TOL = 1e-6
+"""Loss and gradient agreement the asynchronous path must reach at lag 0 (absolute)."""
+
+
 def gate_async_equals_sync(run: RunDir, opts: GateOptions) -> Gate:
-    """Async at lag 0 reproduces the sync loss: applicable only to asynchronous runs."""
-    mode = run.section("rollout").get("mode", "synchronous")
-    evidence = {"rollout_mode": mode, "max_version_lag": run.section("rollout").get(
-        "max_version_lag")}
+    """At ``max_version_lag: 0`` the async path gives the synchronous path's loss and gradient.
+
+    Reads each ``rl_step`` record's ``async_equivalence`` (``training.rl_step``: the step's
+    loss and adapter gradient as the generator's thread and the queue delivered the batch,
+    beside those the synchronous path computes from the committed trace). Passes when every
+    step that trained holds one with the same episodes, |Δloss| and max |Δgrad| within 1e-6.
+    Not applicable to a synchronous run, nor at lag >= 1 (where the async data are, by
+    design, another version's).
+    """
+    rollout = run.section("rollout")
+    mode, lag = rollout.get("mode", "synchronous"), int(rollout.get("max_version_lag", 0) or 0)
+    evidence: dict[str, Any] = {"rollout_mode": mode, "max_version_lag": lag,
+                                "tolerance": EQUIVALENCE_TOL}
     if mode == "synchronous":
         return Gate("async_equals_sync", True, evidence, "not applicable: the run used only the "
                     "synchronous path", applicable=False)
-    return Gate("async_equals_sync", None, evidence,
-                "no async-vs-sync equivalence record in the run directory")
+    if lag != 0:
+        return Gate("async_equals_sync", True, evidence, f"not applicable: the equivalence is "
+                    f"defined at lag 0; this run trains at lag {lag}", applicable=False)
+    trained = [m for m in run.metrics_of("rl_step") if m.get("metrics")]
+    problems: list[str] = []
+    worst_loss = worst_grad = 0.0
+    for m in trained:
+        rec = m.get("async_equivalence")
+        where = f"step {m.get('step')}"
+        if not isinstance(rec, dict) or rec.get("loss_sync") is None:
+            problems.append(f"{where}: no async/sync equivalence record")
+            continue
+        if not rec.get("same_episodes"):
+            problems.append(f"{where}: the async batch holds other episodes than the sync one")
+        dl, dg = rec.get("loss_abs_diff"), rec.get("grad_max_abs_diff")
+        if not isinstance(dl, int | float) or not isinstance(dg, int | float):
+            problems.append(f"{where}: the record lacks loss or gradient differences")
+            continue
+        worst_loss, worst_grad = max(worst_loss, float(dl)), max(worst_grad, float(dg))
+        if not (dl <= EQUIVALENCE_TOL and dg <= EQUIVALENCE_TOL):
+            problems.append(f"{where}: |Δloss| {dl:.3g}, max |Δgrad| {dg:.3g} > "
+                            f"{EQUIVALENCE_TOL:g}")
+    evidence.update(steps_trained=len(trained), max_loss_abs_diff=worst_loss,
+                    max_grad_abs_diff=worst_grad, examples=problems[:MAX_LISTED])
+    return make_gate("async_equals_sync", problems, evidence,
+                     f"{len(trained)} steps: async and sync loss and gradient agree within "
+                     f"{EQUIVALENCE_TOL:g} (max |Δgrad| {worst_grad:.2g})",
+                     measured=bool(trained), why_not="no step trained")
 
 
 # --------------------------------------------------------------------------- exactly once
@@ -158,8 +197,12 @@ def gate_exactly_once(run: RunDir, opts: GateOptions) -> Gate:
 def gate_stale_drop_stratified(run: RunDir, opts: GateOptions) -> Gate:
     """Stale and dropped sample rates by task family, length band and reward band.
 
-    Each step-trace sample takes its group's final ledger state (consumed = admitted). A
-    sample whose group has no final state cannot be stratified and fails the gate.
+    Each step-trace sample takes its group's final ledger state (consumed = admitted; a
+    censored member of a consumed group was excluded from the gradient: dropped, reason
+    ``censored_member_excluded``). A sample whose group has no final state cannot be
+    stratified and fails the gate, as does a run whose own admission records (each
+    ``rl_step`` record's ``admission.rates``, written when the queue decided) count other
+    samples or admissions than its ledger and traces show.
     """
     if not run.has_ledger:
         return Gate("stale_drop_stratified", None, {}, "no ledger")
@@ -175,22 +218,54 @@ def gate_stale_drop_stratified(run: RunDir, opts: GateOptions) -> Gate:
             if row is None or row.state not in FINAL_STATES:
                 unplaced.append(traj.episode_id)
                 continue
-            outcome = "admitted" if row.state == "consumed" else (row.reason or row.state)
+            outcome = _outcome(row, traj)
             keys = {"task_family": traj.task_family,
                     "length_band": bands.length_band(traj.num_action_tokens),
                     "reward_band": bands.reward_band(traj)}
             for dim, value in keys.items():
                 table[dim].setdefault(value, Counter())[outcome] += 1
     samples = sum(sum(c.values()) for c in table["task_family"].values())
+    admitted = sum(c["admitted"] for c in table["task_family"].values())
     evidence: dict[str, Any] = {dim: {v: _rates(c) for v, c in sorted(cells.items())}
                                 for dim, cells in table.items()}
     evidence.update(samples=samples, unstratified_samples=len(unplaced))
     problems = [f"{len(unplaced)} samples have no final ledger state (first: {unplaced[0]})"
                 ] if unplaced else []
+    recorded = _recorded_rates(run)
+    if recorded is not None:
+        evidence["recorded_by_admission"] = {"samples": recorded[0], "admitted": recorded[1]}
+        if recorded != (samples, admitted):
+            problems.append(f"the admission records count {recorded[0]} samples, {recorded[1]} "
+                            f"admitted; the ledger and traces show {samples}, {admitted}")
     return make_gate("stale_drop_stratified", problems, evidence,
                      f"{samples} samples stratified by family, length, reward",
                      measured=samples > 0 or bool(unplaced),
                      why_not="no RL samples")
+
+
+def _outcome(row: GroupRow, traj: TrajectoryRecord) -> str:
+    """A sample's fate: admitted, excluded as a censored member of a consumed group, or its
+    group's ledger reason."""
+    if row.state != "consumed":
+        return row.reason or row.state
+    if traj.termination.is_censored:
+        return "censored_member_excluded"
+    return "admitted"
+
+
+def _recorded_rates(run: RunDir) -> tuple[int, int] | None:
+    """(samples, admitted samples) the queue's own records counted, over every RL step that
+    has one (``None`` for a run written before the records existed)."""
+    totals = [0, 0]
+    seen = False
+    for m in run.metrics_of("rl_step"):
+        overall = ((m.get("admission") or {}).get("rates") or {}).get("overall")
+        if not overall:
+            continue
+        seen = True
+        totals[0] += int(overall[0].get("n_samples", 0))
+        totals[1] += int(overall[0].get("n_admitted", 0))
+    return (totals[0], totals[1]) if seen else None
 
 
 def _rates(c: Counter[str]) -> dict[str, Any]:
@@ -267,7 +342,8 @@ def gate_provenance(run: RunDir, opts: GateOptions) -> Gate:
 
 # --------------------------------------------------------------------------- roles and audit
 ROLE_VALUES: Mapping[str, tuple[str, ...]] = {
-    "behavior_policy": ("rollout_manifest",), "proximal_policy": ("behavior_policy",),
+    "behavior_policy": ("rollout_manifest",),
+    "proximal_policy": ("behavior_policy", "trainer_at_step_start"),
     "reference_policy": ("initial_sft", "initial")}
 
 
@@ -290,6 +366,16 @@ def gate_policy_roles(run: RunDir, opts: GateOptions) -> Gate:
             and update.get("optimizer_steps_per_fresh_batch", 1) != 1):
         problems.append(f"{objective} has no ratio, so it needs π_prox = π_beh: one optimizer "
                         "step per batch")
+    if update.get("proximal_policy", "behavior_policy") != trainer.get(
+            "proximal_policy", "behavior_policy"):
+        problems.append(f"trainer.json proximal_policy={trainer.get('proximal_policy')!r} but "
+                        f"config {update.get('proximal_policy')!r}")
+    unnamed = [m.get("step") for m in run.metrics_of("rl_step")
+               if m.get("metrics") and "policies" in m and not (
+        m["policies"].get("behavior_tokens_by_version") and m["policies"].get("proximal")
+        and m["policies"].get("reference"))]
+    if unnamed:
+        problems.append(f"steps {unnamed[:3]} record an update without its three policies")
     if update.get("reference_policy") == "initial_sft" and not run.section("sft").get(
             "enabled", False):
         problems.append("reference_policy initial_sft but no SFT warm start")
@@ -308,8 +394,10 @@ def gate_policy_roles(run: RunDir, opts: GateOptions) -> Gate:
                        "sampling": "behavior", "placement": "loss"},
                 "objective": trainer.get("objective"), "reducer": trainer.get("reducer"),
                 "steps_with_update": len(updates), "steps_without_kl": len(no_kl)}
+    prox = ("π_train at the step's start" if update.get("proximal_policy") ==
+            "trainer_at_step_start" else "π_beh")
     return make_gate("policy_roles_unambiguous", problems, evidence,
-                     "π_beh = rollout manifest, π_prox = π_beh, π_ref = "
+                     f"π_beh = rollout manifest, π_prox = {prox}, π_ref = "
                      f"{update.get('reference_policy')}; KL {trainer.get('kl_estimator')} "
                      f"β={trainer.get('kl_beta')}",
                      measured=bool(run.config), why_not="no config.json")
@@ -342,7 +430,7 @@ def _audit_gate(run: RunDir, audit: Mapping[str, Any]) -> Gate:
 def gate_train_inference_mismatch(run: RunDir, opts: GateOptions) -> Gate:
     """Generator/trainer p95 and max |Δlogp| and k3 at a frozen checkpoint within tolerance.
 
-    Reads ``audit.json`` (``TrainingRun.audit_frozen``:
+    Reads ``audit.json`` (``closedloop.training.run_evaluation.audit_frozen``:
     ``closedloop.learn.logprob_audit.AuditResult``
     plus ``label`` and ``version``): ``abs_p95 <= tolerance_p95``, ``abs_max <= tolerance_max``,
     ``k3 <= tolerance_max² / 2`` (k3 ≈ δ²/2, so the max bound implies it), at least one token,

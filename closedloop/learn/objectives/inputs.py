@@ -30,6 +30,7 @@ class PreparedBatch:
     success_B: torch.Tensor | None
     entropy: torch.Tensor | None
     weights: torch.Tensor
+    prox: torch.Tensor | None = None
 
 
 def _on_mask(x: torch.Tensor, on: torch.Tensor, name: str) -> torch.Tensor:
@@ -83,4 +84,6 @@ def prepare(inputs: ObjectiveInputs) -> PreparedBatch:
         success_B=inputs.success_B,
         entropy=None if ent is None else _on_mask(ent.detach(), on, "entropy_B_T"),
         weights=_weights(inputs, on, new.dtype),
+        prox=None if inputs.proximal_logprobs_B_T is None else _on_mask(
+            inputs.proximal_logprobs_B_T.detach().to(new.dtype), on, "proximal_logprobs_B_T"),
     )

@@ -5,7 +5,8 @@ returns one :class:`~closedloop.contracts.update.ObjectiveOutput`.
 
 R_w below is the named reducer: Σ_{i,t} w_it · (per-token term), w from
 :mod:`closedloop.learn.reducers` (or the inputs' precomputed ``weights_B_T``). The PPO-style
-objectives cover π_prox = π_beh: ρ_it = exp(log πθ(a_it) - log π_beh(a_it)).
+objectives cover π_prox = π_beh: ρ_it = exp(log πθ(a_it) - log π_beh(a_it)); ``ppo_clip`` also
+takes a decoupled π_prox (``off_policy_weights``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from closedloop.learn.objectives.diagnostics import finish
 from closedloop.learn.objectives.inputs import PreparedBatch, prepare
 from closedloop.learn.reducers import turn_slot_ids
 
-__all__ = ["ClipRange", "Granularity", "normalized_ratio_clip", "ppo_clip", "reinforce_with_kl"]
+__all__ = ["ClipRange", "Granularity", "normalized_ratio_clip", "off_policy_weights", "ppo_clip",
+           "reinforce_with_kl"]
 
 Granularity = Literal["turn", "sequence"]
 
@@ -91,11 +93,29 @@ def ppo_clip(inputs: ObjectiveInputs, clip: ClipRange | None = None) -> Objectiv
     clip = clip or ClipRange()
     batch = prepare(inputs)
     adv_B_T = batch.adv_B[:, None].expand_as(batch.weights)
-    ratio = torch.exp(batch.new - batch.beh)
+    weights = batch.weights * off_policy_weights(batch, inputs.behavior_weight_cap)
+    ratio = torch.exp(batch.new - (batch.beh if batch.prox is None else batch.prox))
     surrogate, binding = _clipped_surrogate(ratio, adv_B_T, clip)
-    pg_loss = (batch.weights * surrogate).sum()
-    pg_coef = -batch.weights * adv_B_T * ratio.detach() * (~binding)
+    pg_loss = (weights * surrogate).sum()
+    pg_coef = -weights * adv_B_T * ratio.detach() * (~binding)
     return finish("ppo_clip", inputs, batch, pg_loss, pg_coef, binding)
+
+
+def off_policy_weights(batch: PreparedBatch, cap: float | None) -> torch.Tensor:
+    """The decoupled objective's per-token weight w_it = π_prox/π_beh (detached), capped at
+    ``cap``; 1 where π_prox is π_beh (no proximal log-probs given) and off the mask.
+
+    With π_prox ≠ π_beh the clipped term is ℓ_it = -w_it · min(r_it A_i, clip(r_it) A_i),
+    r_it = πθ/π_prox: w corrects the sampling distribution from π_beh to π_prox, the clip
+    bounds the step around π_prox, and their product at the first step is the importance
+    ratio πθ/π_beh (three policies, docs/concepts.md).
+    """
+    if batch.prox is None:
+        return torch.ones_like(batch.weights)
+    w = torch.exp(batch.prox - batch.beh)
+    if cap is not None:
+        w = w.clamp(max=cap)
+    return torch.where(batch.on, w, torch.zeros((), dtype=w.dtype)).detach()
 
 
 def _unit_ids(batch: PreparedBatch, granularity: Granularity) -> tuple[torch.Tensor, int]:

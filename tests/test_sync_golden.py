@@ -1,0 +1,43 @@
+"""The synchronous path is unchanged by the split into roles: a short tiny-agent run (warm
+start, start evaluations and audit, 2 RL steps, final evaluations) gives the traces, ledger,
+metrics and adapter of ``tests/golden/sync_run.json``, written from the code before the split
+(``tests.golden_run``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from closedloop.config import parse_config
+from closedloop.training.loop import train
+from tests.golden_run import GOLDEN, differences, fingerprint, golden_config
+
+pytestmark = pytest.mark.slow  # ~25 s: a whole run (warm start, 4 evaluations, 2 RL steps)
+
+
+def test_sync_run_reproduces_the_golden_fingerprint(tiny_agent_dir: Path,
+                                                    tmp_path: Path) -> None:
+    golden = json.loads(GOLDEN.read_text())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train(parse_config(golden_config(tiny_agent_dir)), tmp_path / "run")
+    finally:
+        torch.set_num_threads(threads)
+    now = fingerprint(tmp_path / "run")
+    diffs = differences({k: v for k, v in golden.items() if k != "torch"}, now)
+    assert not diffs, "the synchronous run departs from its golden:\n" + "\n".join(diffs[:20])
+
+
+def test_the_comparison_can_fail() -> None:
+    golden = json.loads(GOLDEN.read_text())
+    changed = json.loads(GOLDEN.read_text())
+    first = next(iter(changed["traces"]["step-0000.jsonl"]))
+    first["actions"] = "sha256:" + "0" * 64
+    changed["metrics"]['["rl_step", 1, null]']["metrics"]["losses/loss"] *= 1.01
+    del changed["ledger"]["s0000-g0"]
+    diffs = differences(golden, changed)
+    assert len(diffs) == 3, diffs

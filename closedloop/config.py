@@ -220,6 +220,9 @@ class TrainingSection:
     # generator/trainer log-prob gap grows from ~1e-5 to ~1e-1: the audit bounds it by the bf16
     # same-engine baseline (consistency.tolerance_source), or by max_abs_tolerance ('fixed').
     precision: Literal["auto", "float32", "bfloat16"] = "auto"
+    # Where the policy computes (closedloop.engine.device): auto = a CUDA GPU when torch sees
+    # one, else the CPU; on CUDA, precision auto is bfloat16 where the GPU supports it.
+    device: Literal["auto", "cpu", "cuda"] = "auto"
 
 
 @dataclass(frozen=True)

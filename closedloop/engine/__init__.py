@@ -14,6 +14,8 @@
   from the host (``CpuFacts``: native bf16 from the CPU flags, else a measured race), recorded
   as a ``PrecisionChoice``;
 - **allocator**: ``tune_allocator`` keeps freed tensor memory in the process (glibc);
+- **device**: ``resolve_device`` (the CPU, or CUDA when present), ``model_device``,
+  ``device_label``; the log-prob paths compute on the model's device and return on the ids';
 - **vLLM**: ``VLLMGenerator`` (the same generator and session API) over a ``VLLMEngine``, a
   vLLM process in its own environment (``vllm_unavailable_reason`` says why it cannot run), and
   ``VLLMReplica``, which acknowledges a published version only after hashing what its engine
@@ -27,6 +29,7 @@ model and imports no ``transformers``.
 """
 
 from closedloop.engine.allocator import tune_allocator
+from closedloop.engine.device import DEVICES, device_label, model_device, resolve_device
 from closedloop.engine.hf_generator import GeneratorStats, HFGenerator, SessionId
 from closedloop.engine.host_precision import (
     CpuFacts,
@@ -35,6 +38,7 @@ from closedloop.engine.host_precision import (
     measure_matmul_rates,
     read_cpu_facts,
     resolve_for_run,
+    resolve_on_cuda,
     resolve_precision,
     warn_if_emulated,
 )
@@ -82,6 +86,8 @@ __all__ = [  # noqa: RUF022 -- grouped by topic, sorted within each group
     "resolve_for_run", "resolve_precision", "warn_if_emulated",
     # allocator
     "tune_allocator",
+    # device
+    "DEVICES", "device_label", "model_device", "resolve_device", "resolve_on_cuda",
     # vLLM
     "EngineConfig", "LoraLayout", "Probe", "ReplicaProof", "VLLMEngine", "VLLMGenerator",
     "VLLMReplica", "hash_model_folder", "publish_proven", "trainer_probe_reference",

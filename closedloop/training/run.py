@@ -22,7 +22,7 @@ import torch
 from closedloop.config import RunConfig, task_set_request
 from closedloop.contracts import GuardedVerifier, PolicyManifest, sha256_hex
 from closedloop.contracts.package import EnvPackage, TaskSetRequest
-from closedloop.engine import PrecisionChoice, precision_label
+from closedloop.engine import PrecisionChoice, device_label, precision_label
 from closedloop.errors import EnvPackageError, RunNotReadyError
 from closedloop.learn.logprob_audit import sample_drift
 from closedloop.policy import LoadedModel, check_append_only, load_model
@@ -190,6 +190,9 @@ def open_run(cfg: RunConfig, run_dir: str | Path, config_override: str | None = 
                                                  "heldout": tasks.heldout}, config_override)
         with phase("model load"):
             policy = load_policy(cfg.model, cfg.training.dtype, package)
+            if directory.device != "cpu":  # every role's copy follows (engine.device)
+                policy.model.to(directory.device)
+                log(f"device: {device_label(directory.device)}")
         report = check_append_only(policy.renderer)
         directory.write_json("template.json", report._asdict() if hasattr(report, "_asdict")
                              else report.__dict__)

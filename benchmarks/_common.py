@@ -17,18 +17,22 @@ from pathlib import Path
 from typing import Any
 
 
-def machine_label(when: str = "at start") -> str:
-    """Platform, CPU count, torch threads and the load average when called."""
+def machine_label(when: str = "at start", device: str = "cpu") -> str:
+    """Platform, CPU count, torch threads, the device the figures were measured on (``cpu``,
+    or ``cuda:<name>``) and the load average when called."""
     try:
         import torch
 
         threads = str(torch.get_num_threads())
         torch_v = torch.__version__
+        where = (f"cuda:{torch.cuda.get_device_name()}" if device == "cuda"
+                 and torch.cuda.is_available() else "cpu")
     except ImportError:  # pragma: no cover - the TRL venv always has torch
-        threads, torch_v = "?", "?"
+        threads, torch_v, where = "?", "?", device
     load = "/".join(f"{x:.2f}" for x in os.getloadavg())
     return (f"{platform.platform()}, python {platform.python_version()}, torch {torch_v}, "
-            f"{os.cpu_count()} cpus, torch threads {threads}, load avg {when} {load}")
+            f"{os.cpu_count()} cpus, torch threads {threads}, device {where}, load avg {when} "
+            f"{load}")
 
 
 def set_threads(threads: int) -> None:

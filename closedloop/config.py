@@ -110,6 +110,13 @@ class RolloutSection:
     # store, and resume after the boundary at which the next version reaches the round
     # (in_flight_policy). null: no boundary, every round is played under one version.
     partial_rollout_turns: int | None = None
+    # Where the RL steps' episodes run (docs/scale-out.md): in this process, or on Ray actors
+    # (environment workers and generator workers, section ``ray``; `train --workers ray`).
+    workers: Literal["in_process", "ray"] = "in_process"
+    # What samples the RL steps' actions: the embedded engine (hf) or a vLLM engine process in
+    # its own environment (scripts/setup-vllm; section ``vllm``). Evaluations use the embedded
+    # engine either way.
+    generator: Literal["hf", "vllm"] = "hf"
 
     @property
     def sampler(self) -> SamplerConfig:
@@ -264,6 +271,36 @@ class TrainingSection:
     # FP/FN audit; a failure stops the launch): full (every fixture, the preregistered bounds),
     # quick (one task and its fixtures, no disagreement allowed), off (recorded as not checked).
     package_check: Literal["full", "quick", "off"] = "full"
+    # Where the policy computes (closedloop.engine.device): auto = a CUDA GPU when torch sees
+    # one, else the CPU; on CUDA, precision auto is bfloat16 where the GPU supports it.
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+@dataclass(frozen=True)
+class RaySection:
+    """The Ray workers of ``rollout.workers: ray`` (closedloop.rollout.ray_workers)."""
+
+    env_workers: int = 2
+    env_worker_cpus: float = 0.25
+    generator_workers: int = 1
+    generator_worker_cpus: float = 1.0
+    queue_capacity: int = 4  # complete groups in flight to the trainer (backpressure)
+    call_timeout_s: float = 600.0  # every remote call; past it the worker is killed
+    address: str | None = None  # an existing cluster; None starts a local one
+    num_cpus: int | None = None  # the local cluster's CPUs (default: the machine's)
+    object_store_mb: int = 256
+
+
+@dataclass(frozen=True)
+class VLLMSection:
+    """The vLLM engine of ``rollout.generator: vllm`` (closedloop.engine.vllm_generator)."""
+
+    kv_cache_gib: int = 1
+    max_model_len: int = 4096
+    threads: int | None = None  # the engine's OMP threads (default: torch's)
+    startup_timeout_s: float = 900.0
+    request_timeout_s: float = 600.0
+    probe_tokens: int = 16  # the publication probe's sampled tokens
 
 
 @dataclass(frozen=True)
@@ -294,6 +331,8 @@ class RunConfig:
     evaluation: EvaluationSection = field(default_factory=EvaluationSection)
     training: TrainingSection = field(default_factory=TrainingSection)
     sft: SFTSection = field(default_factory=SFTSection)
+    ray: RaySection = field(default_factory=RaySection)
+    vllm: VLLMSection = field(default_factory=VLLMSection)
     run_dir: str = "runs"
 
     def to_dict(self) -> dict[str, Any]:
@@ -315,7 +354,8 @@ _POSITIVE = {
     "rollout.group_size", "rollout.max_action_tokens", "evaluation.attempts_per_task",
     "update.optimizer_steps_per_fresh_batch", "training.groups_per_step", "training.lora_rank",
     "evaluation.curve_points", "consistency.audit_episodes",
-    "sft.epochs", "sft.batch_size",
+    "sft.epochs", "sft.batch_size", "ray.env_workers", "ray.generator_workers",
+    "ray.queue_capacity", "vllm.kv_cache_gib", "vllm.max_model_len", "vllm.probe_tokens",
 }
 
 
@@ -392,6 +432,7 @@ def _check_ranges(cfg: RunConfig) -> None:
                 "evaluation.min_signal_step_fraction"):
         if not 0 <= getattr(cfg.evaluation, key.split(".")[1]) <= 1:
             raise ConfigError(key, "must be in [0, 1]")
+    _check_scale_out(cfg)
     _check_environment(cfg.environment)
     _check_credit(cfg)
     if cfg.environment.family_disjoint_tasks < 0:
@@ -558,6 +599,38 @@ def _check_credit(cfg: RunConfig) -> None:
         if c.group_reward_scale != "none":
             raise ConfigError("credit.group_reward_scale", "branching credit is RLOO over "
                               "siblings and over continuations: no std scale")
+def _check_scale_out(cfg: RunConfig) -> None:
+    """Worker counts and CPUs are positive; vLLM samples untruncated, in float32, alone."""
+    for key in ("env_worker_cpus", "generator_worker_cpus", "call_timeout_s",
+                "object_store_mb"):
+        if not getattr(cfg.ray, key) > 0:
+            raise ConfigError(f"ray.{key}", "must be > 0")
+    scaled = cfg.rollout.workers == "ray" or cfg.rollout.generator == "vllm"
+    if scaled and cfg.rollout.mode != "synchronous":
+        raise ConfigError("rollout.mode", "Ray workers and the vLLM generator serve the "
+                          "synchronous rounds; asynchronous rounds run on the in-process worker")
+    if scaled and cfg.rollout.max_version_lag:
+        raise ConfigError("rollout.max_version_lag", "Ray workers and the vLLM generator "
+                          "sample each round with the version the trainer just published "
+                          "(lag 0); bounded staleness runs on the in-process worker")
+    if scaled and cfg.rollout.partial_rollout_turns is not None:
+        raise ConfigError("rollout.partial_rollout_turns", "partial rollouts pause episodes "
+                          "in the in-process worker; Ray workers and the vLLM generator play "
+                          "them whole")
+    if cfg.rollout.generator != "vllm":
+        return
+    if cfg.rollout.top_p < 1.0 or cfg.rollout.top_k is not None:
+        raise ConfigError("rollout.top_p" if cfg.rollout.top_p < 1.0 else "rollout.top_k",
+                          "the vLLM generator samples untruncated: vLLM renormalizes its "
+                          "log-probs over the top-k/top-p support, the trainer scores the full "
+                          "vocabulary (a log S bias in every ratio)")
+    if cfg.training.precision == "bfloat16":
+        raise ConfigError("training.precision", "the vLLM engine runs float32; a bfloat16 "
+                          "trainer would differ from it by bf16 rounding the audit bounds for "
+                          "one engine only")
+    if cfg.rollout.workers == "ray":
+        raise ConfigError("rollout.workers", "Ray generator workers run the embedded engine; "
+                          "with rollout.generator: vllm use workers: in_process")
 
 
 def _check_environment(env: EnvironmentSection) -> None:

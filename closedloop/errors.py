@@ -353,6 +353,38 @@ class LogprobInputError(ContractError):
     """Ids and masks disagree in shape, or a row's real tokens are not contiguous."""
 
 
+class EngineUnavailableError(ClosedloopError):
+    """An external inference engine cannot run here (its environment is absent or broken);
+    carries ``reason``, the exact cause (``scripts/setup-vllm`` writes it)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class EngineProcessError(InfrastructureError):
+    """An engine process died or stopped answering: the episodes it served end ``infra_abort``;
+    the message carries the tail of its log."""
+
+
+class EngineTimeoutError(EngineProcessError, TimeoutError):
+    """An engine process gave no answer within the call's timeout (it is then killed)."""
+
+
+class EngineRequestError(GenerationError):
+    """An engine process refused a request (its reply names the error and its traceback)."""
+
+
+class ReplicaProofError(RegistryError):
+    """A generator replica could not prove it serves a version: the weights it hashed are not
+    the manifest's, or its probe log-probs differ from the trainer's beyond the audit
+    tolerance. The replica is not acknowledged; carries ``proof`` (a ``ReplicaProof``)."""
+
+    def __init__(self, message: str, proof: Any = None) -> None:
+        super().__init__(message)
+        self.proof = proof
+
+
 # --------------------------------------------------------------------------- rollout
 
 
@@ -377,6 +409,24 @@ class PrefixRestoreError(SnapshotMismatchError):
 class BranchError(ClosedloopError):
     """A branch request breaks the branching contract (a branch point outside the episode's
     executed turns, fewer than two continuations, a parent without a recorded prompt)."""
+
+
+class WorkerError(InfrastructureError):
+    """A remote worker (a Ray actor) died, was killed, or did not answer within the call's
+    timeout; the episodes it held end ``infra_abort``. Carries ``worker``."""
+
+    def __init__(self, worker: str, reason: str) -> None:
+        super().__init__(f"worker {worker}: {reason}")
+        self.worker = worker
+        self.reason = reason
+
+
+class WorkerTimeoutError(WorkerError, TimeoutError):
+    """A remote call to a worker passed its timeout: the worker is treated as dead."""
+
+
+class WorkersUnavailableError(ClosedloopError):
+    """The worker backend asked for (``ray``) is not installed or cannot start a cluster."""
 
 
 class LedgerError(ClosedloopError):

@@ -52,3 +52,16 @@ def short_run_config(model_dir: Path, rl_steps: int) -> dict[str, object]:
                      "seed": SEED, "package_check": "quick"},
         "sft": {"enabled": False},
     }
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """One local Ray cluster for the test session: 2 CPUs, a 100 MB object store, no dashboard
+    (skipped, naming why, where ray is not installed)."""
+    from closedloop.rollout.ray_workers import RayWorkersConfig, ray_cluster, ray_unavailable_reason
+
+    reason = ray_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    with ray_cluster(RayWorkersConfig(num_cpus=2, object_store_mb=100)) as resources:
+        yield resources

@@ -187,3 +187,30 @@ def test_turn_level_credit_is_refused_outside_the_synchronous_loop() -> None:
         parse_config(seed_with("credit.experiment_arm", "gae", rollout__max_version_lag=1,
                                update__objective="ppo_clip"))
     assert "credit.experiment_arm" in str(err.value)
+
+
+@pytest.mark.parametrize(("key", "value", "extra", "named"), [
+    ("rollout.top_p", 0.9, {"rollout__generator": "vllm", "update__objective": "ppo_clip"},
+     "rollout.top_p"),
+    ("rollout.generator", "vllm", {"training__precision": "bfloat16"}, "training.precision"),
+    ("rollout.generator", "vllm", {"rollout__workers": "ray"}, "rollout.workers"),
+    ("rollout.workers", "ray", {"rollout__max_version_lag": 1, "update__objective": "ppo_clip"},
+     "rollout.max_version_lag"),
+    ("rollout.generator", "vllm", {"rollout__max_version_lag": 1, "update__objective": "ppo_clip",
+                                   "rollout__partial_rollout_turns": 2},
+     "rollout.max_version_lag"),
+    ("ray.env_worker_cpus", 0.0, {}, "ray.env_worker_cpus"),
+    ("ray.generator_workers", 0, {}, "ray.generator_workers"),
+])
+def test_scale_out_keys_refuse_what_they_cannot_honour(key: str, value: Any,
+                                                       extra: dict[str, Any], named: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(seed_with(key, value, **extra))
+    assert caught.value.key == named
+
+
+def test_scale_out_keys_parse() -> None:
+    cfg = parse_config(seed_with("rollout.workers", "ray", ray__env_workers=3,
+                                 ray__env_worker_cpus=0.5, ray__address="10.0.0.1:6379"))
+    assert cfg.rollout.workers == "ray" and cfg.ray.env_workers == 3
+    assert cfg.ray.address == "10.0.0.1:6379" and cfg.rollout.generator == "hf"

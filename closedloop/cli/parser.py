@@ -91,6 +91,9 @@ def _add_run_commands(sub: _Subcommands) -> list[argparse.ArgumentParser]:
     tr.add_argument("config")
     tr.add_argument("--run-dir")
     tr.add_argument("--override-config", metavar="REASON", help=OVERRIDE_HELP)
+    tr.add_argument("--workers", choices=["in_process", "ray"],
+                    help="where the RL steps' episodes run (overrides rollout.workers; ray: "
+                         "environment and generator workers as Ray actors, section ray)")
     tr.set_defaults(fn=cmd_train)
     ex = sub.add_parser("experiment", help="the four controls of a config, then the report")
     ex.add_argument("config")

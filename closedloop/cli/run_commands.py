@@ -23,13 +23,16 @@ from closedloop.progress import phase_lines, phase_times, reset_phases
 
 def cmd_train(args: argparse.Namespace) -> int:
     """Run (or resume) a training run from a config file."""
-    from closedloop.config import load_config
+    from closedloop.config import load_config, parse_config
     from closedloop.errors import ConfigError
 
     cfg = load_config(args.config)
     if cfg.credit.experiment_arm != "none":
         raise ConfigError("credit.experiment_arm", "an extra arm of `closedloop experiment`: a "
                           "single run does not train it")
+    if getattr(args, "workers", None):  # where the RL steps' episodes run (docs/scale-out.md)
+        data = cfg.to_dict()
+        cfg = parse_config({**data, "rollout": {**data["rollout"], "workers": args.workers}})
     return _run_training(cfg, args)
 
 

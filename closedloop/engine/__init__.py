@@ -13,7 +13,13 @@
 - **precision policy**: ``resolve_precision`` / ``resolve_for_run`` decide a run's precision once
   from the host (``CpuFacts``: native bf16 from the CPU flags, else a measured race), recorded
   as a ``PrecisionChoice``;
-- **allocator**: ``tune_allocator`` keeps freed tensor memory in the process (glibc).
+- **allocator**: ``tune_allocator`` keeps freed tensor memory in the process (glibc);
+- **device**: ``resolve_device`` (the CPU, or CUDA when present), ``model_device``,
+  ``device_label``; the log-prob paths compute on the model's device and return on the ids';
+- **vLLM**: ``VLLMGenerator`` (the same generator and session API) over a ``VLLMEngine``, a
+  vLLM process in its own environment (``vllm_unavailable_reason`` says why it cannot run), and
+  ``VLLMReplica``, which acknowledges a published version only after hashing what its engine
+  loaded and matching the trainer's probe log-probs (``publish_proven``).
 
 ``closedloop.engine.transformers_path`` holds the plain transformers path the fast ones are tested
 against (``reference_logprobs``, ``reference_generate``). Code outside the engine imports only
@@ -23,6 +29,7 @@ model and imports no ``transformers``.
 """
 
 from closedloop.engine.allocator import tune_allocator
+from closedloop.engine.device import DEVICES, device_label, model_device, resolve_device
 from closedloop.engine.hf_generator import GeneratorStats, HFGenerator, SessionId
 from closedloop.engine.host_precision import (
     CpuFacts,
@@ -31,6 +38,7 @@ from closedloop.engine.host_precision import (
     measure_matmul_rates,
     read_cpu_facts,
     resolve_for_run,
+    resolve_on_cuda,
     resolve_precision,
     warn_if_emulated,
 )
@@ -49,6 +57,17 @@ from closedloop.engine.prefix_logprobs import (
     trainer_path_logprobs,
 )
 from closedloop.engine.transformers_path import reference_generate, reference_logprobs
+from closedloop.engine.vllm_engine import EngineConfig, VLLMEngine, vllm_unavailable_reason
+from closedloop.engine.vllm_generator import VLLMGenerator
+from closedloop.engine.vllm_replica import (
+    LoraLayout,
+    Probe,
+    ReplicaProof,
+    VLLMReplica,
+    publish_proven,
+    trainer_probe_reference,
+)
+from closedloop.engine.vllm_server import hash_model_folder
 from closedloop.errors import LogprobInputError, PrecisionError
 
 __all__ = [  # noqa: RUF022 -- grouped by topic, sorted within each group
@@ -67,4 +86,10 @@ __all__ = [  # noqa: RUF022 -- grouped by topic, sorted within each group
     "resolve_for_run", "resolve_precision", "warn_if_emulated",
     # allocator
     "tune_allocator",
+    # device
+    "DEVICES", "device_label", "model_device", "resolve_device", "resolve_on_cuda",
+    # vLLM
+    "EngineConfig", "LoraLayout", "Probe", "ReplicaProof", "VLLMEngine", "VLLMGenerator",
+    "VLLMReplica", "hash_model_folder", "publish_proven", "trainer_probe_reference",
+    "vllm_unavailable_reason",
 ]

@@ -48,6 +48,7 @@ import torch
 
 from closedloop.contracts import TOOL_CALL_CLOSE, SamplerConfig
 from closedloop.engine.decode_copy import DecodeCopy
+from closedloop.engine.device import model_device
 from closedloop.engine.llama_decode import LlamaDecodeCopy, supports
 from closedloop.engine.precision import check_precision, matmul_precision
 from closedloop.errors import ContextOverflowError, GenerationError
@@ -113,6 +114,7 @@ class HFGenerator:
                  decode_copy: bool = True, precision: str = "float32",
                  lean_decode: bool = True) -> None:
         self.model = model
+        self.device = model_device(model)  # inputs are built here (closedloop.engine.device)
         self.precision = check_precision(precision)
         self._decode: DecodeCopy | LlamaDecodeCopy | None = None
         if decode_copy and lean_decode and supports(model) is None:
@@ -285,11 +287,12 @@ class HFGenerator:
                 break
             order = compaction_order(alive)
             live = [live[j] for j in order]
-            idx = torch.tensor(order)
+            idx = torch.tensor(order, device=self.device)
             if len(order) < len(mask_B_L):
                 cache.batch_select_indices(idx)
-            last_B_1 = torch.tensor([[rows[r].ids[-1]] for r in live])
-            mask_B_L = torch.cat([mask_B_L[idx], torch.ones(len(order), 1, dtype=torch.long)], 1)
+            last_B_1 = torch.tensor([[rows[r].ids[-1]] for r in live], device=self.device)
+            mask_B_L = torch.cat([mask_B_L[idx], torch.ones(len(order), 1, dtype=torch.long,
+                                                            device=self.device)], 1)
             pos_B = pos_B[idx] + 1
             logits_B_V = self._forward(last_B_1, mask_B_L, pos_B[:, None], cache)
             self.stats.decode_tokens += len(order)
@@ -336,11 +339,12 @@ class HFGenerator:
         from closedloop.engine.kv_cache import batch_cache  # imports transformers
 
         cache = batch_cache([st.kv for st in firsts], c_max, c_max + p_max + max_new)
-        mask_U_L = torch.tensor(masks)
-        pos_U_P = torch.tensor(positions)
-        logits_U_V = self._forward(torch.tensor(inputs), mask_U_L, pos_U_P, cache)
+        mask_U_L = torch.tensor(masks, device=self.device)
+        pos_U_P = torch.tensor(positions, device=self.device)
+        logits_U_V = self._forward(torch.tensor(inputs, device=self.device), mask_U_L, pos_U_P,
+                                   cache)
         self.stats.prefill_tokens += sum(len(st.ids) - st.n_cached for st in firsts)
-        expand = torch.tensor([unique[k] for k in keys])
+        expand = torch.tensor([unique[k] for k in keys], device=self.device)
         if len(unique) < len(keys):
             cache.batch_select_indices(expand)
         return logits_U_V[expand], cache, mask_U_L[expand], pos_U_P[expand, -1]

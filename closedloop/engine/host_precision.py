@@ -16,6 +16,10 @@ trainer, scoring, evaluation, audit). The rule:
 - ``bfloat16``: bfloat16 even where it is emulated; the race then measures the slowdown, and an
   ``EmulatedBf16Warning`` names it before the first step.
 
+On a CUDA device (``device="cuda"``, ``closedloop.engine.device``) the GPU decides instead of
+the CPU flags: ``auto`` is ``bfloat16`` where ``torch.cuda.is_bf16_supported()`` (Ampere and
+later: native bf16 tensor cores), else ``float32``.
+
 ``CLOSEDLOOP_CPU_FLAGS`` (space-separated), when set, replaces the flags read from the host:
 a hypervisor that hides flags, or a test that plays another host class.
 """
@@ -151,6 +155,7 @@ class PrecisionChoice:
     reason: str
     flags_source: str
     rates: dict[str, float] | None = None  # MatmulRates' fields where a race was run
+    device: str = "cpu"  # where the policy computes (closedloop.engine.device)
 
     @property
     def emulated_bf16(self) -> bool:
@@ -185,13 +190,35 @@ def _rates_text(rates: MatmulRates) -> str:
             f"{rates.bfloat16_gflops:.1f} in bfloat16")
 
 
-def resolve_precision(requested: str, facts: CpuFacts | None = None,
-                      measure: Callable[[], MatmulRates] | None = None) -> PrecisionChoice:
-    """Resolve ``requested`` (one of ``REQUESTS``) on the host ``facts`` describe (default: this
-    one) by the module's rule. ``measure`` runs the race where one is needed (default:
-    ``measure_matmul_rates``)."""
+def resolve_on_cuda(requested: str, bf16_supported: bool | None = None,
+                    name: str | None = None) -> PrecisionChoice:
+    """The module's rule on a CUDA device: native bf16 where the GPU supports it
+    (``bf16_supported``/``name`` default to the current device's)."""
     if requested not in REQUESTS:
         raise PrecisionError(f"precision must be one of {REQUESTS}, got {requested!r}")
+    if bf16_supported is None:
+        bf16_supported = bool(torch.cuda.is_bf16_supported())
+    name = name or torch.cuda.get_device_name()
+    why = (f"CUDA device {name} " + ("multiplies bf16 natively" if bf16_supported
+                                     else "has no native bf16"))
+    precision = "bfloat16" if requested == "bfloat16" or (requested == "auto"
+                                                           and bf16_supported) else "float32"
+    if requested != "auto":
+        why = f"requested; {why}"
+    return PrecisionChoice(requested, precision, bf16_supported, why, f"cuda:{name}",
+                           device="cuda")
+
+
+def resolve_precision(requested: str, facts: CpuFacts | None = None,
+                      measure: Callable[[], MatmulRates] | None = None,
+                      device: str = "cpu") -> PrecisionChoice:
+    """Resolve ``requested`` (one of ``REQUESTS``) on the host ``facts`` describe (default: this
+    one) by the module's rule. ``measure`` runs the race where one is needed (default:
+    ``measure_matmul_rates``). ``device="cuda"``: the GPU decides (``resolve_on_cuda``)."""
+    if requested not in REQUESTS:
+        raise PrecisionError(f"precision must be one of {REQUESTS}, got {requested!r}")
+    if device == "cuda":
+        return resolve_on_cuda(requested)
     facts = facts if facts is not None else read_cpu_facts()
     native = facts.native_bf16
     flags = " ".join(facts.bf16_flags()) or "none of the bf16 flags"
@@ -232,13 +259,16 @@ def warn_if_emulated(choice: PrecisionChoice) -> str | None:
 
 
 def resolve_for_run(requested: str, recorded: Any, facts: CpuFacts | None = None,
-                    measure: Callable[[], MatmulRates] | None = None) -> PrecisionChoice:
+                    measure: Callable[[], MatmulRates] | None = None,
+                    device: str = "cpu") -> PrecisionChoice:
     """The precision of a run, resolved once: ``recorded`` (what the run's first launch
     resolved, from ``config.json``) when it answers the same request, so a resumed run keeps its
-    precision on any host; else resolved now. Either way, bf16 on a host that emulates it warns
-    (``warn_if_emulated``) before the first step."""
+    precision on any host (or device); else resolved now on ``device``. Either way, bf16 on a
+    CPU host that emulates it warns (``warn_if_emulated``) before the first step."""
     if recorded is not None:
         choice = PrecisionChoice.from_dict(recorded)
+        if choice.requested == requested and device == "cuda":
+            return choice
         if choice.requested == requested:
             here = facts if facts is not None else read_cpu_facts()
             if choice.precision == "bfloat16" and here.native_bf16 is False:
@@ -249,6 +279,6 @@ def resolve_for_run(requested: str, recorded: Any, facts: CpuFacts | None = None
                                          here.source, asdict(rates))
             warn_if_emulated(choice)
             return choice
-    choice = resolve_precision(requested, facts, measure)
+    choice = resolve_precision(requested, facts, measure, device)
     warn_if_emulated(choice)
     return choice

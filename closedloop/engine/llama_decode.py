@@ -178,7 +178,8 @@ class LlamaDecodeCopy:
         """``weight [out, in]`` in the product's layout: a contiguous fp32 ``[in, out]``, or in
         bf16 oneDNN's pre-packed (blocked) layout where the CPU has native bf16, else a
         contiguous bf16 ``[in, out]``."""
-        if self.wdtype is torch.bfloat16 and onednn_bf16_packing():
+        if self.wdtype is torch.bfloat16 and weight.device.type == "cpu" \
+                and onednn_bf16_packing():
             w = weight.detach().to(torch.bfloat16).contiguous()
             return torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT)
         return weight.detach().t().to(self.wdtype).contiguous()
@@ -229,7 +230,7 @@ class LlamaDecodeCopy:
     def _rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos``/``sin`` ``[B, P, 1, D]`` for the positions (the default Llama rotary), to
         rotate queries and keys together in their ``[B, P, heads, D]`` layout."""
-        freqs = position_ids[..., None].float() * self.inv_freq
+        freqs = position_ids[..., None].float() * self.inv_freq.to(position_ids.device)
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos() * self.rope_scale, emb.sin() * self.rope_scale
         return cos[:, :, None], sin[:, :, None]
@@ -281,8 +282,8 @@ def _allowed(mask_B_L: torch.Tensor, p: int) -> torch.Tensor:
     """Which keys each new id sees: ``[B, 1, P, L]`` (real and not in its future, or itself)."""
     length = mask_B_L.shape[1]
     cached = length - p
-    col_L = torch.arange(length)
-    row_P = torch.arange(p)[:, None] + cached
+    col_L = torch.arange(length, device=mask_B_L.device)
+    row_P = torch.arange(p, device=mask_B_L.device)[:, None] + cached
     causal_P_L = col_L[None, :] <= row_P
     return (mask_B_L[:, None, None, :] & causal_P_L) | (col_L[None, :] == row_P)
 

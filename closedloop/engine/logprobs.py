@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from closedloop.engine.device import to_model_device
 from closedloop.engine.vocab_scoring import target_logprobs
 from closedloop.errors import LogprobInputError
 
@@ -33,8 +34,12 @@ def sequence_logprobs(model: Any, token_ids_B_T: torch.Tensor,
                       target_mask_B_T: torch.Tensor | None = None,
                       chunk_size: int = 1024, temperature: float = 1.0) -> torch.Tensor:
     """Return float32 ``logprobs`` of shape ``[B, T-1]`` (module doc for the convention), of
-    ``softmax(logits / temperature)`` (the sampler's temperature; 1 scores the raw model)."""
-    ids = token_ids_B_T
+    ``softmax(logits / temperature)`` (the sampler's temperature; 1 scores the raw model),
+    computed on the model's device and returned on the ids' (``closedloop.engine.device``)."""
+    home = token_ids_B_T.device
+    ids, attention_mask_B_T, target_mask_B_T = to_model_device(
+        model, token_ids_B_T, attention_mask_B_T, target_mask_B_T)
+    assert ids is not None
     mask, sel_B_Tm1 = checked_targets(ids, attention_mask_B_T, target_mask_B_T)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     decoder, head = _decoder_and_head(model)
@@ -44,7 +49,7 @@ def sequence_logprobs(model: Any, token_ids_B_T: torch.Tensor,
     lp_N = target_logprobs(head, hidden_N_H, ids[:, 1:][sel_B_Tm1], chunk_size,
                            temperature=temperature)
     out_B_Tm1 = torch.zeros(sel_B_Tm1.shape, dtype=torch.float32, device=ids.device)
-    return out_B_Tm1.masked_scatter(sel_B_Tm1, lp_N)
+    return out_B_Tm1.masked_scatter(sel_B_Tm1, lp_N).to(home)
 
 
 def checked_targets(ids_B_T: torch.Tensor, attention_mask_B_T: torch.Tensor | None,

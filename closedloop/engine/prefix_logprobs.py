@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from closedloop.engine.device import to_model_device
 from closedloop.engine.logprobs import _decoder_and_head, checked_targets, sequence_logprobs
 from closedloop.engine.packed_prefix import packed_decoder_call, packed_layout, packs
 from closedloop.engine.vocab_scoring import target_logprobs
@@ -82,9 +83,13 @@ def shared_prefix_logprobs(model: Any, token_ids_B_T: torch.Tensor,
 
     ``prefix_len_B`` defaults to ``prompt_prefix_lengths`` of the target mask. Each ``p > 0``
     must leave at least one real token after it (``p <= len_b - 1``), and its row must be
-    right-padded; a violation raises ``LogprobInputError``.
+    right-padded; a violation raises ``LogprobInputError``. Computed on the model's device,
+    returned on the ids' (``closedloop.engine.device``).
     """
-    ids = token_ids_B_T
+    home = token_ids_B_T.device
+    ids, attention_mask_B_T, target_mask_B_T, prefix_len_B = to_model_device(
+        model, token_ids_B_T, attention_mask_B_T, target_mask_B_T, prefix_len_B)
+    assert ids is not None
     mask, sel_B_Tm1 = checked_targets(ids, attention_mask_B_T, target_mask_B_T)
     p_B = (prompt_prefix_lengths(sel_B_Tm1) if prefix_len_B is None
            else prefix_len_B.long().to(ids.device))
@@ -101,7 +106,7 @@ def shared_prefix_logprobs(model: Any, token_ids_B_T: torch.Tensor,
         lp = _shared_rows(model, ids[shared_S], mask[shared_S], sel_B_Tm1[shared_S],
                           p_B[shared_S], chunk_size, temperature)
         out_B_Tm1 = out_B_Tm1.index_copy(0, shared_S, lp)
-    return out_B_Tm1
+    return out_B_Tm1.to(home)
 
 
 def _check_prefixes(p_B: torch.Tensor, mask_B_T: torch.Tensor) -> None:

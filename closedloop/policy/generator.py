@@ -28,11 +28,15 @@ END_TOKENS = ("<|im_end|>", "<|endoftext|>")
 
 
 class Generation(NamedTuple):
-    """One sampled action: ids, behaviour and raw log-probs (same length), finish reason."""
+    """One sampled action: ids, behaviour and raw log-probs (same length), finish reason.
+
+    ``raw_model_logprobs`` is None when the engine does not report them (a vLLM engine in
+    processed mode samples only the sampler's distribution, unless asked to score the ids).
+    """
 
     action_token_ids: list[int]
     behavior_logprobs: list[float]
-    raw_model_logprobs: list[float]
+    raw_model_logprobs: list[float] | None
     finish_reason: FinishReason
 
 

@@ -77,13 +77,17 @@ def uniforms(n: int, generator: RowGenerators, device: torch.device | None = Non
              ) -> torch.Tensor:
     """``[n, 1]`` float64 draws from U[0, 1): ``n`` from one generator, or one from each of
     ``n`` per-row generators (row ``b``'s draw then depends only on its own generator's state,
-    not on which other rows share the batch)."""
+    not on which other rows share the batch). Drawn where the generators live and moved to
+    ``device``: CPU generators give the same draws for a policy on any device."""
     if generator is None or isinstance(generator, torch.Generator):
-        return torch.rand((n, 1), generator=generator, dtype=torch.float64, device=device)
+        where = generator.device if generator is not None else None
+        u = torch.rand((n, 1), generator=generator, dtype=torch.float64, device=where)
+        return u if device is None else u.to(device)
     if len(generator) != n:
         raise ValueError(f"{len(generator)} row generators for {n} rows")
-    return torch.cat([torch.rand((1, 1), generator=g, dtype=torch.float64, device=device)
-                      for g in generator])
+    u = torch.cat([torch.rand((1, 1), generator=g, dtype=torch.float64, device=g.device)
+                   for g in generator])
+    return u if device is None else u.to(device)
 
 
 def sample(logprobs_B_V: torch.Tensor, generator: RowGenerators = None) -> torch.Tensor:

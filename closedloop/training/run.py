@@ -22,7 +22,7 @@ import torch
 from closedloop.config import RunConfig, task_set_request
 from closedloop.contracts import GuardedVerifier, PolicyManifest, SamplerConfig, sha256_hex
 from closedloop.contracts.package import EnvPackage, TaskSetRequest
-from closedloop.engine import PrecisionChoice, precision_label
+from closedloop.engine import PrecisionChoice, device_label, precision_label
 from closedloop.errors import EnvPackageError, RunNotReadyError
 from closedloop.learn.logprob_audit import sample_drift
 from closedloop.policy import LoadedModel, check_append_only, load_model
@@ -129,6 +129,7 @@ class Run:
     publisher: Publisher | None = None
     probe: Probe | None = None
     credit_state: dict[str, Any] = field(default_factory=dict)
+    scale: Any = None  # Ray workers or a vLLM engine for the RL rounds (training.scale_out)
 
     @property
     def cfg(self) -> RunConfig:
@@ -156,10 +157,13 @@ class Run:
         return self.trainer, self.worker, self.publisher
 
     def close(self) -> None:
-        """Stop the replicas, close the ledger and release the run directory."""
+        """Stop the replicas and the scale-out workers, close the ledger and release the run
+        directory."""
         try:
             if self.publisher is not None and self.publisher.replicas is not None:
                 self.publisher.replicas.stop()
+            if self.scale is not None:
+                self.scale.close()
             self.ctx.ledger.close()
         finally:
             self.ctx.directory.close()
@@ -194,6 +198,9 @@ def open_run(cfg: RunConfig, run_dir: str | Path, config_override: str | None = 
                                                  "heldout": tasks.heldout}, config_override)
         with phase("model load"):
             policy = load_policy(cfg.model, cfg.training.dtype, package)
+            if directory.device != "cpu":  # every role's copy follows (engine.device)
+                policy.model.to(directory.device)
+                log(f"device: {device_label(directory.device)}")
         report = check_append_only(policy.renderer)
         directory.write_json("template.json", report._asdict() if hasattr(report, "_asdict")
                              else report.__dict__)
@@ -301,6 +308,11 @@ def attach_roles(run: Run) -> None:
         reference=ProbeReference(run.trainer.model, ctx.registry, precision),
         probe_tol=cfg.consistency.max_abs_tolerance if precision == "float32" else None,
         replicas=replicas)
+    from closedloop.training.scale_out import make_scale_out
+
+    run.scale = make_scale_out(run)  # its workers must prove every version too
+    if run.scale is not None:
+        run.publisher.worker_ids += tuple(run.scale.worker_ids)
     run.queue.drift = lambda group: group_drift(run, group)
     ctx.directory.write_json("trainer.json", run.trainer.config.__dict__)
 
@@ -336,6 +348,8 @@ def publish(run: Run, version: str) -> PolicyManifest:
     trainer, _, publisher = run.roles()
     manifest = publisher.stage(version, trainer.adapter_state(), trainer.checksum())
     prove_and_acknowledge(run, version)
+    if run.scale is not None:  # Ray workers or the vLLM replica (training.scale_out)
+        run.scale.publish(version)
     return manifest
 
 

@@ -21,7 +21,7 @@ import torch
 
 from closedloop.config import RunConfig
 from closedloop.contracts.metrics_log import MetricsLog
-from closedloop.engine import PrecisionChoice, resolve_for_run
+from closedloop.engine import PrecisionChoice, resolve_device, resolve_for_run
 from closedloop.progress import log
 from closedloop.training.integrity import RunLock, check_config, recorded_meta
 
@@ -64,9 +64,11 @@ class RunDirectory:
         self._lock = RunLock(self.path)
         try:
             recorded = recorded_meta(self.path).get("precision")
+            self.device = resolve_device(cfg.training.device)
             self.precision = resolve_for_run(
                 cfg.training.precision,
-                recorded if recorded is not None or precision is None else precision.to_dict())
+                recorded if recorded is not None or precision is None else precision.to_dict(),
+                device=self.device)
             log(f"precision: {self.precision.describe()}")
             check_config(self.path, cfg.to_dict(), {"config_hash": cfg.config_hash(),
                                                     "git_revision": git_revision(),

@@ -210,7 +210,7 @@ def bracket(cfg: RunConfig, model_dir: str, precision: str, folder: Path,
         parts: list[dict[str, Any]] = []
         trl_runs: list[dict[str, Any]] = []
         trl_note = "skipped (--no-trl/--quick)"
-        for rnd in range(args.rounds + 1):
+        for rnd in range(1 if args.no_trl else args.rounds + 1):
             parts += ours_pass(ours, args, tag, f"pass {rnd + 1}")
             if args.no_trl or rnd == args.rounds:
                 continue

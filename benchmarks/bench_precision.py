@@ -15,6 +15,12 @@ host_precision``), then, measured side by side in this one process:
 With ``--force-bf16`` the step is also timed under bfloat16 whatever the host (on an AVX2 CPU
 this is the slowdown a forced bf16 run would pay; slow: minutes per step with the real model).
 
+Whenever bf16 is timed (resolved on a native-bf16 host, or forced), the same step is also timed
+with one bf16 input cast per Linear instead of one shared by the Linears that read the same
+input (``matmul_precision(..., share_input_casts=False)``, the rule before sharing): the ratio
+is what sharing saves (bit-identical results; on an emulated-bf16 host the emulated GEMMs
+swamp it).
+
     .venv/bin/python benchmarks/bench_precision.py [--sizes 256 512 1024] [--repeats 3]
         [--episodes 4] [--force-bf16] [--threads 1] [--quick]
 """
@@ -70,22 +76,25 @@ def main(argv: list[str] | None = None) -> None:
     demos = collect_demonstrations(args.episodes, 8, tokenizer, SFTSection().noise_rate)
     model = lora_model(args.quick, tokenizer)
     pad_id = int(tokenizer.pad_token_id or 0)
-    modes = {"resolved": choice.precision, "float32": "float32"}
+    modes = {"resolved": (choice.precision, True), "float32": ("float32", True)}
     if args.force_bf16:
-        modes["bfloat16"] = "bfloat16"
+        modes["bfloat16"] = ("bfloat16", True)
+    if any(p == "bfloat16" for p, _ in modes.values()):
+        modes["bfloat16, a cast per Linear"] = ("bfloat16", False)
     secs: dict[str, list[float]] = {m: [] for m in modes}
-    for precision in modes.values():  # untimed warm-up
-        with matmul_precision(model, precision):
+    for precision, share in modes.values():  # untimed warm-up
+        with matmul_precision(model, precision, share_input_casts=share):
             sft_backward(model, demos, pad_id, 8)
     for rep in range(args.repeats):
         for name in rotate(list(modes), rep):
+            precision, share = modes[name]
             model.zero_grad(set_to_none=True)
             t0 = time.perf_counter()
-            with matmul_precision(model, modes[name]):
+            with matmul_precision(model, precision, share_input_casts=share):
                 sft_backward(model, demos, pad_id, 8)
             secs[name].append(time.perf_counter() - t0)
     for name, values in secs.items():
-        print(f"[precision] warm-start step ({len(demos)} episodes, {modes[name]}): "
+        print(f"[precision] warm-start step ({len(demos)} episodes, {name}): "
               f"median {median(values):.2f}s of {[round(v, 2) for v in values]}")
     ratio = median([r / f for r, f in zip(secs["resolved"], secs["float32"], strict=True)])
     print(f"[precision] headline: warm-start step at the resolved precision "
@@ -95,6 +104,15 @@ def main(argv: list[str] | None = None) -> None:
     if "bfloat16" in secs:
         forced = median([b / f for b, f in zip(secs["bfloat16"], secs["float32"], strict=True)])
         print(f"[precision] forced bfloat16 / float32 = {forced:.2f}")
+    per_linear = secs.get("bfloat16, a cast per Linear")
+    if per_linear:
+        shared = secs["bfloat16"] if "bfloat16" in secs else secs["resolved"]
+        gain = median([a / b for a, b in zip(per_linear, shared, strict=True)])
+        print(f"[precision] bf16 input casts: a cast per Linear / shared = {gain:.3f}"
+              + ("" if choice.precision == "bfloat16" else " (emulated bf16: not a figure a "
+                 "user would see)"))
+        emit(args.summary, "precision", "bf16 per-Linear casts / shared casts",
+             round(gain, 3), "x")
     print(f"[precision] machine: {machine_label('at the end')}")
 
 

@@ -3,7 +3,8 @@
 Each benchmark runs as its own process (``--summary`` hands its headline rows back) so one
 failure does not stop the rest. The TRL comparison runs TRL only if ``.bench-venv`` exists and
 says so otherwise. Ratios come from within one benchmark's process; absolute figures depend on
-the machine, whose label is printed first.
+the machine, whose label is printed first. ``trl_multiturn`` (the multi-turn tool workload
+against TRL's ``environment_factory``) is the longest: ~30-40 min on an idle 2-core host.
 
     .venv/bin/python benchmarks/run_all.py [--quick] [--only generation,trainer,...] [--threads 1]
 
@@ -25,8 +26,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _common import machine_label  # noqa: E402
 
-BENCHES = ("env", "precision", "generation", "rollout", "trainer", "sft", "rlstep", "trl", "vllm",
-           "ray")
+BENCHES = ("env", "precision", "generation", "rollout", "trainer", "sft", "rlstep", "trl",
+           "trl_multiturn", "vllm", "ray")
 
 
 def main() -> None:

@@ -13,6 +13,18 @@ CPUs with AMX-BF16 a GEMM of a few hundred rows runs ~5x faster in bf16 than in 
 decode step reads half the weight bytes (docs/concepts.md, precision policy); the price is a policy
 that is no longer the fp32 one: a greedy output can change, and log-probs move by O(1e-2).
 
+**One bf16 copy of an input, shared by its projections.** q/k/v (and their LoRA ``A``
+factors, which read the same input) and gate/up read one hidden state; under the rule each
+would cast it to bf16 on its own (per decoder layer, 14 input casts where 4 are distinct).
+Inside a ``matmul_precision`` block the two most recently used input casts are kept (the
+input tensor itself, its version counter, its bf16 copy: two, because a LoRA ``B`` factor's
+input comes between q's and k's) and a Linear whose input is one of those tensors,
+unmodified, takes the copy instead of casting again. Each use gets its own autograd node
+(``_SharedBf16Cast``) whose backward widens the incoming gradient to float32, exactly as
+``x.to(bf16)``'s own backward does, so the input's gradients still sum in float32 and the
+forward and backward are bit-identical to one cast per Linear (tested); only the copying is
+saved. ``float32`` is untouched.
+
 Both paths that score the policy apply this rule:
 
 - the trainer, with ``matmul_precision(model, "bfloat16")`` around its forward passes (a
@@ -33,6 +45,7 @@ auditor measures; a bf16 run must declare a tolerance for it.
 from __future__ import annotations
 
 import contextlib
+import threading
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -82,9 +95,54 @@ def bf16_weight(linear: nn.Linear) -> torch.Tensor:
     return cached[1]
 
 
+class _SharedBf16Cast(torch.autograd.Function):
+    """One use of a shared bf16 copy ``xb`` of ``x``: forward returns a view of ``xb`` (no
+    copy); backward widens the gradient to float32 for ``x``, as ``x.to(bf16)`` does."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, xb: torch.Tensor) -> torch.Tensor:
+        return xb.view_as(xb)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad.to(torch.float32), None
+
+
+CastEntry = tuple[torch.Tensor, int, torch.Tensor]
+"""A kept input cast: the input, its version counter when cast, its detached bf16 copy."""
+KEPT_CASTS = 2
+
+
+class _CastSlot(threading.local):
+    """The input casts kept inside a ``matmul_precision`` block, per thread, most recently
+    used first (``share`` False: none are kept)."""
+
+    depth: int = 0
+    share: bool = False
+    entries: tuple[CastEntry, ...] = ()
+
+
+_SLOT = _CastSlot()
+
+
+def shared_bf16_input(x: torch.Tensor) -> torch.Tensor:
+    """``bf16(x)``, cast once for nearby Linears that read the same unmodified ``x`` (the
+    module doc's sharing; outside a sharing block, a plain cast)."""
+    if not _SLOT.share or x.dtype != torch.float32:
+        return x.to(torch.bfloat16)
+    found = next((e for e in _SLOT.entries if e[0] is x and e[1] == x._version), None)
+    entry = found or (x, x._version, x.detach().to(torch.bfloat16))
+    _SLOT.entries = (entry, *(e for e in _SLOT.entries if e is not entry))[:KEPT_CASTS]
+    xb = entry[2]
+    if x.requires_grad and torch.is_grad_enabled():
+        out: torch.Tensor = _SharedBf16Cast.apply(x, xb)
+        return out
+    return xb
+
+
 def _bf16_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """The bf16 rule for one ``nn.Linear`` (bound to the module while the context is open)."""
-    y = nn.functional.linear(x.to(torch.bfloat16), bf16_weight(self)).float()
+    y = nn.functional.linear(shared_bf16_input(x), bf16_weight(self)).float()
     return y if self.bias is None else y + self.bias
 
 
@@ -100,12 +158,16 @@ def linear_precision(linear: nn.Linear) -> str | None:
 
 
 @contextlib.contextmanager
-def matmul_precision(model: Any, precision: str) -> Iterator[None]:
+def matmul_precision(model: Any, precision: str, share_input_casts: bool = True
+                     ) -> Iterator[None]:
     """Run every ``nn.Linear`` of ``model`` under ``precision`` inside the block.
 
     ``float32`` changes nothing. ``bfloat16`` binds the module doc's rule to each Linear for
     the duration of the block (autograd graphs built inside keep it for their backward) and
-    restores the plain forward on exit, even on error.
+    restores the plain forward on exit, even on error. ``share_input_casts`` (bf16): Linears
+    reading the same input share one bf16 copy of it (the module doc; bit-identical, fewer
+    copies); False casts per Linear (the reference the tests and benchmarks compare with).
+    The outermost block decides, and its exit forgets the kept copy.
     """
     check_precision(precision)
     if precision == "float32":
@@ -115,9 +177,16 @@ def matmul_precision(model: Any, precision: str) -> Iterator[None]:
                and "forward" not in m.__dict__]
     for m in linears:
         m.forward = types.MethodType(_bf16_linear_forward, m)  # type: ignore[method-assign]
+    outer = _SLOT.depth == 0
+    if outer:
+        _SLOT.share, _SLOT.entries = share_input_casts, ()
+    _SLOT.depth += 1
     try:
         yield
     finally:
+        _SLOT.depth -= 1
+        if outer:
+            _SLOT.share, _SLOT.entries = False, ()
         for m in linears:
             del m.forward
 

@@ -465,3 +465,66 @@ def test_a_failing_bf16_step_restores_the_plain_forward(tokenizer):
         trainer.step(batch, torch.tensor([1.0, -1.0]))
     assert not _bound(model)
     assert any(CACHE in m.__dict__ for m in model.modules())  # the bf16 forward did run
+
+
+# -- one bf16 copy of an input shared by its projections -----------------------------------------
+SEVEN = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class _CountCasts(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts float32 -> bfloat16 copies (``aten._to_copy``) dispatched inside the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (func is torch.ops.aten._to_copy.default and kwargs.get("dtype") == torch.bfloat16
+                and args[0].dtype == torch.float32):
+            self.n += 1
+        return func(*args, **kwargs)
+
+
+def _shared_cast_pass(model, ids, w, share):
+    """Logits, the loss's gradients (LoRA factors of every layer: the input gradients that
+    reach earlier layers sum across the shared copy's uses) and the forward's bf16 casts."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    with matmul_precision(model, BF16, share_input_casts=share):
+        with _CountCasts() as count:
+            logits = model(input_ids=ids).logits
+        loss = (torch.log_softmax(logits, -1)[..., :16] * w).sum()
+        grads = torch.autograd.grad(loss, params)
+    return logits, grads, count.n
+
+
+def test_shared_input_casts_are_bit_identical_and_fewer(tokenizer):
+    model = attach_lora(build_tiny_model(tokenizer, seed=2, init_std=0.3), r=4, alpha=8, seed=1,
+                        target_modules=SEVEN)
+    _perturb_lora(model, 4, 0.05)
+    ids = _ids(9, (2, 11))
+    w = torch.randn(2, 11, 16, generator=torch.Generator().manual_seed(3))
+    _shared_cast_pass(model, ids, w, share=True)  # frozen weights' bf16 copies cached
+    per_linear, per_linear_grads, casts = _shared_cast_pass(model, ids, w, share=False)
+    shared, shared_grads, shared_casts = _shared_cast_pass(model, ids, w, share=True)
+    assert torch.equal(shared, per_linear)
+    assert len(shared_grads) == 2 * len(SEVEN) * 2  # A and B of 7 projections, 2 layers
+    for a, b in zip(shared_grads, per_linear_grads, strict=True):
+        assert torch.equal(a, b)
+    # Per layer the 7 base Linears and 7 A factors read 4 distinct inputs (q/k/v, o, gate/up,
+    # down): 10 input casts saved per layer; the B factors' inputs (A's outputs) and the
+    # trainable factors' weights are cast as before.
+    assert casts - shared_casts == 10 * 2
+    with matmul_precision(model, "float32"), _CountCasts() as none:
+        model(input_ids=ids)
+    assert none.n == 0
+
+
+def test_a_modified_input_is_cast_again(tokenizer):
+    lin_a, lin_b = _linear(8, 5, seed=1), _linear(8, 3, seed=2)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    with matmul_precision(nn.ModuleList([lin_a, lin_b]), BF16):
+        lin_a(x)
+        x.mul_(3.0)  # in place: the kept copy is stale
+        y = lin_b(x)
+    assert torch.equal(y, _by_hand(lin_b, x))

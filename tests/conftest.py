@@ -1,8 +1,12 @@
-"""Session fixtures shared by the run-level tests: the tiny agent (taught once per session)."""
+"""Session fixtures shared by the run-level tests: the tiny agent (taught once per session), one
+finished four-arm experiment on it, the kill tests' zygote and uninterrupted reference run
+(each started once per session), and the verifier audit of the ``verifier_fp_fn`` gate,
+computed once per fixture set and verifier (``tests.shared_audit``)."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,6 +17,28 @@ SUITE_CPU_FLAGS = "fpu sse2 avx avx2 fma"
 suite plays one host class (no native bf16, so ``auto`` is float32) on every CPU, subprocesses
 included, so its runs compute alike everywhere. Tests of the policy inject facts of their own."""
 os.environ["CLOSEDLOOP_CPU_FLAGS"] = SUITE_CPU_FLAGS
+
+@pytest.fixture(scope="session", autouse=True)
+def _verifier_audit_once() -> Iterator[object]:
+    """The ``verifier_fp_fn`` gate's audit computed once per fixture set and verifier
+    (``tests.shared_audit``); yields the real ``audit_verifier``."""
+    from closedloop.evaluate.gates import environment
+    from tests.shared_audit import install
+
+    original = install()
+    yield original
+    environment.audit_verifier = original
+
+
+@pytest.fixture(autouse=True)
+def _fresh_verifier_audit(request: pytest.FixtureRequest, _verifier_audit_once: object,
+                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test marked ``fresh_verifier_audit`` (it changes a verifier's code) audits anew."""
+    if request.node.get_closest_marker("fresh_verifier_audit") is not None:
+        from closedloop.evaluate.gates import environment
+
+        monkeypatch.setattr(environment, "audit_verifier", _verifier_audit_once)
+
 
 TRAIN_TASKS, HELDOUT_TASKS, SEED = 2, 2, 0
 """The task sets the tiny agent is taught on (and every run that uses it trains on)."""
@@ -65,3 +91,57 @@ def ray_local():
         pytest.skip(reason)
     with ray_cluster(RayWorkersConfig(num_cpus=2, object_store_mb=100)) as resources:
         yield resources
+
+
+KILL_RL_STEPS = 3
+"""RL steps of the kill tests' run (tests/test_chaos.py, tests/test_crash_resume.py)."""
+
+
+@pytest.fixture(scope="session")
+def kill_bed(tiny_agent_dir: Path,
+             tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """The kill tests' zygote and the uninterrupted reference of ``short_run_config`` with
+    ``KILL_RL_STEPS`` steps (``tests.forked_launch.KillBed``): started on first use, shared."""
+    from tests.forked_launch import KillBed
+
+    bed = KillBed(tmp_path_factory.mktemp("kill-bed"),
+                  short_run_config(tiny_agent_dir, KILL_RL_STEPS))
+    yield bed
+    bed.close()
+
+
+def experiment_config(model_dir: Path) -> dict[str, object]:
+    """The shared experiment's config: ``short_run_config`` with 2 RL steps, a held-out curve
+    point after step 1 (``curve_points: 3``), the train suite evaluated
+    (``cold_start_train_eval``), the safety retain suite, and the optional branching-credit
+    arm (K = 2)."""
+    data = short_run_config(model_dir, 2)
+    data["evaluation"] = {**data["evaluation"], "curve_points": 3,  # type: ignore[dict-item]
+                          "cold_start_train_eval": True, "retain_suites": ["safety"]}
+    data["credit"] = {**data["credit"],  # type: ignore[dict-item]
+                      "experiment_arm": "branching", "branch_k": 2}
+    return data
+
+
+@pytest.fixture(scope="session")
+def tiny_experiment(tiny_agent_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished experiment (four arms and the branching-credit arm) of
+    ``experiment_config`` on the tiny agent, run once per session on one thread. Read-only: a test that changes it works on ``copy_experiment``."""
+    from closedloop.config import parse_config
+    from closedloop.experiments.controls import run_experiment
+
+    exp = tmp_path_factory.mktemp("tiny-experiment") / "exp"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        run_experiment(parse_config(experiment_config(tiny_agent_dir)), exp)
+    finally:
+        torch.set_num_threads(threads)
+    return exp
+
+
+def copy_experiment(exp: Path, dst: Path) -> Path:
+    """A writable copy of an experiment directory (its arms read their own copies)."""
+    import shutil
+
+    return Path(shutil.copytree(exp, dst, ignore=shutil.ignore_patterns("run.lock")))

@@ -8,7 +8,10 @@ child that puts itself in its own process group, sends its output to the log and
 ``closedloop.cli.main(["train", ...])``: the same code as ``python -m closedloop.cli``, only
 imported earlier (peft and transformers' model classes included). The zygote reaps its children
 and writes each exit status (negative: killed by that signal, as ``subprocess`` reports it) to
-``<log>.<n>.rc``; :class:`ForkedLaunch` reads it.
+``<log>.<n>.rc``; :class:`ForkedLaunch` reads it. A launch may carry its own environment
+(the uninterrupted reference runs without the checkpoint pause the killed launches get).
+Before it forks, the zygote audits the terminal tasks' verifier once (``tests.shared_audit``),
+so the report each completed launch writes does not audit it again.
 """
 
 from __future__ import annotations
@@ -24,9 +27,21 @@ import traceback
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["ForkedLaunch", "Zygote"]
+from closedloop.learn.checkpoint import PAUSE_ENV
+
+__all__ = ["ForkedLaunch", "KillBed", "Zygote", "child_env"]
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def child_env(checkpoint_pause_s: float | None) -> dict[str, str]:
+    """One CPU thread (bit-identical runs, and no oversubscription of 2 shared cores)."""
+    env = {k: v for k, v in os.environ.items() if k != PAUSE_ENV}
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p))
+    if checkpoint_pause_s is not None:
+        env[PAUSE_ENV] = str(checkpoint_pause_s)  # widens the checkpoint write window only
+    return env
 
 
 class ForkedLaunch:
@@ -71,12 +86,16 @@ class Zygote:
                env: dict[str, str] | None = None) -> ForkedLaunch:
         """Fork one ``closedloop train CONFIG --run-dir RUN_DIR`` writing to ``log``.
 
-        ``env`` must be the zygote's own environment (children inherit it).
+        ``env``: the child's environment (default: the zygote's). It may differ from the
+        zygote's only in what is read at run time (the checkpoint pause); what the imports
+        read (``OMP_NUM_THREADS``, ``PYTHONPATH``) is the zygote's, imported once.
         """
         assert self._proc.stdin is not None and self._proc.stdout is not None
         rc_path = log.with_name(f"{log.name}.{time.monotonic_ns()}.rc")
-        request = {"argv": ["train", str(config), "--run-dir", str(run_dir)], "log": str(log),
-                   "rc": str(rc_path)}
+        request: dict[str, Any] = {"argv": ["train", str(config), "--run-dir", str(run_dir)],
+                                   "log": str(log), "rc": str(rc_path)}
+        if env is not None:
+            request["env"] = dict(env)
         self._proc.stdin.write(json.dumps(request) + "\n")
         self._proc.stdin.flush()
         return ForkedLaunch(int(json.loads(self._proc.stdout.readline())["pid"]), rc_path)
@@ -94,6 +113,36 @@ class Zygote:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class KillBed:
+    """What the kill tests share (``tests.test_chaos``, ``tests.test_crash_resume``): one
+    zygote whose launches get the checkpoint pause, one run config, and that config's
+    uninterrupted reference run, forked at once and left running beside the tests' own
+    launches (one thread each). ``close`` kills a reference still running and ends the zygote.
+    """
+
+    def __init__(self, root: Path, config: dict[str, Any]) -> None:
+        import yaml
+
+        self.config = root / "run.yaml"
+        self.config.write_text(yaml.safe_dump(config))
+        self.reference_dir, self.reference_log = root / "reference", root / "reference.log"
+        self.zygote = Zygote(child_env(checkpoint_pause_s=0.15))
+        self.reference = self.zygote.launch(self.config, self.reference_dir,
+                                            self.reference_log, child_env(None))
+
+    def reference_rc(self, timeout: float) -> int:
+        """Wait for the reference run; its exit status."""
+        return self.reference.wait(timeout=timeout)
+
+    def close(self) -> None:
+        """Kill the reference if it still runs; end the zygote."""
+        if self.reference.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.reference.pid, signal.SIGKILL)
+            self.reference.wait(timeout=30)
+        self.zygote.close()
 
 
 # ----------------------------------------------------------------------------- the server
@@ -120,6 +169,9 @@ def _child(request: dict[str, Any]) -> None:
     try:
         os.setpgid(0, 0)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        if "env" in request:
+            os.environ.clear()
+            os.environ.update(request["env"])
         fd = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         os.write(fd, f"\n=== launch at {time.time():.3f} (forked)\n".encode())
         os.dup2(fd, 1)
@@ -152,6 +204,10 @@ def serve(stdin: IO[str], stdout: IO[str]) -> None:
     library_versions()  # peft and transformers' lazy modules (config.json records their versions)
     for name in ("AutoModelForCausalLM", "AutoTokenizer", "LlamaForCausalLM"):
         getattr(transformers, name)
+    from tests.shared_audit import audit_terminal_tasks, install
+
+    install()
+    audit_terminal_tasks()  # once, before any fork: every launch's report gate inherits it
 
     signal.signal(signal.SIGCHLD, _reap)
     stdout.write("ready\n")

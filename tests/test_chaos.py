@@ -3,7 +3,8 @@ uninterrupted run for the ledger, the final weights, *and* the metrics and trace
 
 Eleven kills of the whole process group (``tests.test_crash_resume``'s machinery; each
 relaunch is forked from a process that imported closedloop once, ``tests.forked_launch``, so a
-launch costs the model load rather than the imports): one inside
+launch costs the model load rather than the imports; the uninterrupted reference is the
+session's, ``tests.conftest.kill_bed``, shared with the crash test): one inside
 the step-0 checkpoint write of the first launch, then in each of 3 RL steps one inside the
 checkpoint write and one right after its commit (before the ledger, the registry and the
 metrics catch up), and in 2 seeded steps one during collection and one between the complete
@@ -34,14 +35,13 @@ from closedloop.contracts import load_episodes
 from closedloop.contracts.metrics_log import VOLATILE, read_metrics
 from closedloop.learn.checkpoint import load_latest
 from closedloop.rollout.ledger import Ledger
-from tests.conftest import short_run_config
-from tests.forked_launch import Zygote
+from tests.conftest import KILL_RL_STEPS, short_run_config
+from tests.forked_launch import KillBed
 from tests.test_crash_resume import (
     Kill,
     child_env,
     flat_tensors,
     group_events,
-    launch,
     leaves_equal,
     run_with_kills,
     tail,
@@ -99,23 +99,26 @@ def trace_actions(run_dir: Path) -> dict[str, list[tuple[str, list[list[int]]]]]
 
 
 def test_chaos_kills_leave_ledger_weights_metrics_and_traces_as_uninterrupted(
-        tiny_agent_dir: Path, tmp_path: Path) -> None:
+        tiny_agent_dir: Path, kill_bed: KillBed, tmp_path: Path) -> None:
     t0 = time.monotonic()
-    config = tmp_path / "run.yaml"
-    config.write_text(yaml.safe_dump(short_run_config(tiny_agent_dir, RL_STEPS)))
-    ref_dir, crash_dir = tmp_path / "reference", tmp_path / "crashed"
-    ref_log, crash_log = tmp_path / "reference.log", tmp_path / "crashed.log"
+    crash_dir, crash_log = tmp_path / "crashed", tmp_path / "crashed.log"
     deadline = time.monotonic() + DEADLINE_S
-    reference = launch(config, ref_dir, ref_log, child_env(checkpoint_pause_s=None))
+    if RL_STEPS == KILL_RL_STEPS:  # the session's reference (shared with the crash test)
+        config, ref_dir, ref_log, reference = (kill_bed.config, kill_bed.reference_dir,
+                                               kill_bed.reference_log, kill_bed.reference)
+    else:  # a longer schedule: its own reference, forked beside the crashed launches
+        config = tmp_path / "run.yaml"
+        config.write_text(yaml.safe_dump(short_run_config(tiny_agent_dir, RL_STEPS)))
+        ref_dir, ref_log = tmp_path / "reference", tmp_path / "reference.log"
+        reference = kill_bed.zygote.launch(config, ref_dir, ref_log, child_env(None))
     plan = chaos_plan(SEED)
     try:
-        with Zygote(child_env(checkpoint_pause_s=0.15)) as zygote:
-            crashed = run_with_kills(config, crash_dir, crash_log, plan, deadline,
-                                     launcher=zygote.launch)
+        crashed = run_with_kills(config, crash_dir, crash_log, plan, deadline,
+                                 launcher=kill_bed.zygote.launch)
         rc = reference.wait(timeout=max(1.0, deadline - time.monotonic()))
     finally:
-        if reference.poll() is None:
-            os.killpg(reference.pid, signal.SIGKILL)
+        if reference is not kill_bed.reference and reference.poll() is None:
+            os.killpg(reference.pid, signal.SIGKILL)  # the session's is the bed's to end
             reference.wait()
     assert rc == 0, f"reference run failed:\n{tail(ref_log)}"
     landed = [k["landed"] for k in crashed.kills]

@@ -1,10 +1,13 @@
 """Crash test (issue 4): SIGKILL ``closedloop train`` at random points, resume, compare.
 
-A short run is played twice from the same config, each in its own run directory and its own
-``python -m closedloop.cli train CONFIG --run-dir DIR`` processes (the real trainer, collector,
-environment, verifier, ledger, registry and checkpoints; nothing is mocked):
+A short run (``tests.conftest.short_run_config``, ``KILL_RL_STEPS`` steps) is played twice from
+the same config, each in its own run directory and its own ``closedloop train CONFIG --run-dir
+DIR`` processes (the real trainer, collector, environment, verifier, ledger, registry and
+checkpoints; nothing is mocked), each forked from one interpreter that imported closedloop once
+(``tests.forked_launch``):
 
-- the *reference*, uninterrupted;
+- the *reference*, uninterrupted (``tests.conftest.kill_bed``: one per session, shared with
+  ``tests.test_chaos``);
 - the *crashed* run, SIGKILLed several times and restarted with the same command until it
   completes. A seeded plan picks one RL step for each phase (collection; the admission,
   credit and update between a complete trace and its checkpoint; the checkpoint write; right
@@ -47,21 +50,18 @@ from typing import Any
 
 import pytest
 import torch
-import yaml
 
-from closedloop.learn.checkpoint import PAUSE_ENV, Checkpoint, load_latest
+from closedloop.learn.checkpoint import Checkpoint, load_latest
 from closedloop.policy.registry import PolicyRegistry, version_name
 from closedloop.rollout.ledger import Ledger
 from tests import conftest
+from tests.forked_launch import KillBed, child_env
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
-RL_STEPS = 4
-TRAIN_TASKS = 2
-HELDOUT_TASKS = 2
+RL_STEPS = conftest.KILL_RL_STEPS
 GROUPS_PER_STEP = 2
-SEED = 0
 KILL_SEED = int(os.environ.get("CLOSEDLOOP_CRASH_SEED", "4"))
 EVAL_KILL = os.environ.get("CLOSEDLOOP_CRASH_EVAL_KILL", "") == "1"
 """One more kill in a held-out evaluation (about 15 s more on 2 busy cores); off by default."""
@@ -72,43 +72,7 @@ EVAL_PHASES = ("eval-start", "eval-final")
 """Kill phases outside the RL steps: the held-out evaluations of the start and final policy."""
 
 
-def run_config(model_dir: Path) -> dict[str, Any]:
-    """The short run: 2 train tasks, 4 RL steps of 2 groups x 4 siblings, no SFT, no retain."""
-    return {
-        "model": str(model_dir),
-        "environment": {"train_tasks": TRAIN_TASKS, "heldout_tasks": HELDOUT_TASKS,
-                        "max_turns": 6},
-        "rollout": {"group_size": 4, "max_action_tokens": 64, "temperature": 1.0},
-        # a sibling that never closes its tool call is censored; keep its group's scored
-        # members (the declared rule) so more groups carry a gradient
-        "credit": {"censor_rule": "drop_censored"},
-        "evaluation": {"attempts_per_task": 1, "retain_suites": []},
-        "training": {"rl_steps": RL_STEPS, "groups_per_step": GROUPS_PER_STEP,
-                     "learning_rate": 1e-3, "seed": SEED, "package_check": "quick"},
-        "sft": {"enabled": False},
-    }
-
-
-# ----------------------------------------------------------------------------- fixtures
-@pytest.fixture(scope="session")
-def agent_dir(tiny_agent_dir: Path) -> Path:
-    """The tiny agent, taught once per session on the run's train tasks (tests/conftest.py)."""
-    assert (TRAIN_TASKS, HELDOUT_TASKS, SEED) == (conftest.TRAIN_TASKS, conftest.HELDOUT_TASKS,
-                                                  conftest.SEED)
-    return tiny_agent_dir
-
-
 # ----------------------------------------------------------------------------- processes
-def child_env(checkpoint_pause_s: float | None) -> dict[str, str]:
-    """One CPU thread (bit-identical runs, and no oversubscription of 2 shared cores)."""
-    env = {k: v for k, v in os.environ.items() if k != PAUSE_ENV}
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1",
-               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p))
-    if checkpoint_pause_s is not None:
-        env[PAUSE_ENV] = str(checkpoint_pause_s)  # widens the checkpoint write window only
-    return env
-
-
 def launch(config: Path, run_dir: Path, log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
     """Start ``closedloop train`` in its own process group (so a kill takes its children)."""
     with open(log, "ab") as fh:
@@ -345,25 +309,19 @@ def leaves_equal(a: Any, b: Any) -> bool:
 
 # ----------------------------------------------------------------------------- the test
 def test_sigkill_and_resume_consumes_each_group_once_and_matches_uninterrupted(
-        agent_dir: Path, tmp_path: Path) -> None:
+        kill_bed: KillBed, tmp_path: Path) -> None:
     t0 = time.monotonic()
-    config = tmp_path / "run.yaml"
-    config.write_text(yaml.safe_dump(run_config(agent_dir)))
-    ref_dir, crash_dir = tmp_path / "reference", tmp_path / "crashed"
-    ref_log, crash_log = tmp_path / "reference.log", tmp_path / "crashed.log"
+    ref_dir, crash_dir = kill_bed.reference_dir, tmp_path / "crashed"
+    crash_log = tmp_path / "crashed.log"
     deadline = time.monotonic() + DEADLINE_S
 
-    # the reference runs alongside the crashed run's launches (one thread each)
-    reference = launch(config, ref_dir, ref_log, child_env(checkpoint_pause_s=None))
+    # the reference (shared with tests.test_chaos) runs alongside the crashed run's launches
+    # (one thread each), every launch forked from one interpreter that imported closedloop once
     plan = kill_plan(KILL_SEED, EVAL_KILL)
-    try:
-        crashed = run_with_kills(config, crash_dir, crash_log, plan, deadline)
-        rc = reference.wait(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        if reference.poll() is None:
-            os.killpg(reference.pid, signal.SIGKILL)
-            reference.wait()
-    assert rc == 0, f"reference run failed:\n{tail(ref_log)}"
+    crashed = run_with_kills(kill_bed.config, crash_dir, crash_log, plan, deadline,
+                             launcher=kill_bed.zygote.launch)
+    rc = kill_bed.reference_rc(timeout=max(1.0, deadline - time.monotonic()))
+    assert rc == 0, f"reference run failed:\n{tail(kill_bed.reference_log)}"
     report = {"kill_seed": KILL_SEED, "launches": crashed.launches,
               "kills": [{"planned": str(k["planned"]), "at_s": k["at_s"], "exit": k["exit"],
                          "landed": k["landed"]} for k in crashed.kills],

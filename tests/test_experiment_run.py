@@ -1,9 +1,9 @@
-"""The four-arm experiment run end to end on the tiny agent: every suite the config asks for
-is evaluated for the arms that answer it (the retain suites included: they run and report),
-the null relabels rewards, the SFT-only arm trains the RL arm's action tokens within the
-declared tolerance, an arm finished before a suite was evaluated gets that evaluation on
-resume, without training again, and the optional branching-credit arm runs end to end with its
-compute beside the rloo arm's."""
+"""The four-arm experiment run end to end on the tiny agent (the session's ``tiny_experiment``):
+every suite the config asks for is evaluated for the arms that answer it (the retain suites
+included: they run and report), the null relabels rewards, the SFT-only arm trains the RL arm's
+action tokens within the declared tolerance, an arm finished before a suite was evaluated gets
+that evaluation on resume, without training again, and the optional branching-credit arm runs
+end to end with its compute beside the rloo arm's."""
 
 from __future__ import annotations
 
@@ -17,20 +17,17 @@ from closedloop.config import parse_config
 from closedloop.contracts.metrics_log import read_metrics
 from closedloop.evaluate.report import build_report, render_html
 from closedloop.experiments.controls import SUITE_ARMS, run_experiment
-from tests.conftest import short_run_config
+from tests.conftest import copy_experiment, experiment_config
 
 pytestmark = pytest.mark.slow
 
 
 def _run(exp: Path, model: Path) -> dict[str, object]:
-    data = short_run_config(model, 1)
-    data["evaluation"]["cold_start_train_eval"] = True  # type: ignore[index]
-    data["evaluation"]["retain_suites"] = ["safety"]  # type: ignore[index]
-    data["credit"].update({"experiment_arm": "branching", "branch_k": 2})  # type: ignore[attr-defined]
+    """Run (or resume) the experiment of the session's ``tiny_experiment`` config."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return run_experiment(parse_config(data), exp)
+        return run_experiment(parse_config(experiment_config(model)), exp)
     finally:
         torch.set_num_threads(threads)
 
@@ -46,14 +43,25 @@ def load_episodes_by_group(arm: Path) -> list[list[float | None]]:
     return list(groups.values())
 
 
+def _figures(suites: object) -> str:
+    """The suites' figures as canonical JSON, without the arms' directories (the experiment
+    read here is a copy of the session's)."""
+    def strip(x: object) -> object:
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items() if k != "run_dir"}
+        return [strip(v) for v in x] if isinstance(x, list | tuple) else x
+
+    return json.dumps(strip(suites), sort_keys=True)
+
+
 def _rl_steps(arm: Path) -> int:
     return sum(1 for r in read_metrics(arm / "metrics.jsonl") if r["kind"] == "rl_step")
 
 
 def test_the_train_suite_is_compared_for_the_rl_arm_and_its_null_and_filled_in_on_resume(
-        tiny_agent_dir: Path, tmp_path: Path) -> None:
-    exp = tmp_path / "exp"
-    result = _run(exp, tiny_agent_dir)
+        tiny_agent_dir: Path, tiny_experiment: Path, tmp_path: Path) -> None:
+    exp = copy_experiment(tiny_experiment, tmp_path / "exp")
+    result = json.loads((exp / "experiment.json").read_text())  # what run_experiment returned
     suites = result["suites"]
     assert isinstance(suites, dict) and set(suites) == {"heldout", "train"}
     train = suites["train"]
@@ -136,5 +144,5 @@ def test_the_train_suite_is_compared_for_the_rl_arm_and_its_null_and_filled_in_o
     for name in ("rloo", "shuffled"):
         (exp / "arms" / name / "traces" / "eval-final-train.jsonl").unlink()
     again = _run(exp, tiny_agent_dir)
-    assert json.dumps(again["suites"], sort_keys=True) == json.dumps(suites, sort_keys=True)
+    assert _figures(again["suites"]) == _figures(suites)
     assert {name: _rl_steps(exp / "arms" / name) for name in steps} == steps

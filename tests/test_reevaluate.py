@@ -16,18 +16,19 @@ from closedloop.config import parse_config
 from closedloop.contracts import load_episodes
 from closedloop.contracts.metrics_log import read_metrics
 from closedloop.errors import ConfigDriftError, RunStateError
+from closedloop.evaluate.gates import evaluate_gates
 from closedloop.evaluate.report import build_report
-from closedloop.experiments.controls import run_experiment
 from closedloop.experiments.reevaluate import (
     EXTRA_SEED_BASE,
     load_version,
     reevaluate,
     reevaluate_experiment,
 )
+from closedloop.policy.registry import version_name
 from closedloop.training.loop import opened_run
 from closedloop.training.resume import resume
 from closedloop.training.run_evaluation import evaluate
-from tests.conftest import HELDOUT_TASKS, short_run_config
+from tests.conftest import HELDOUT_TASKS, copy_experiment, experiment_config
 
 pytestmark = pytest.mark.slow
 
@@ -45,11 +46,11 @@ def _rl_steps(arm: Path) -> int:
 
 
 def test_more_attempts_are_pooled_with_each_arms_own_evaluation_and_paired(
-        tiny_agent_dir: Path, tmp_path: Path, one_thread: None,
+        tiny_experiment: Path, tmp_path: Path, one_thread: None,
         capsys: pytest.CaptureFixture[str]) -> None:
-    exp = tmp_path / "exp"
-    run_experiment(parse_config(short_run_config(tiny_agent_dir, 1)), exp)
+    exp = copy_experiment(tiny_experiment, tmp_path / "exp")
     steps = {arm: _rl_steps(exp / "arms" / arm) for arm in ("rloo", "shuffled")}
+    final = version_name(steps["rloo"])  # each treated arm's published final
     claim = build_report(exp)["claim"]
 
     assert main(["reevaluate", str(exp), "--attempts", "2"]) == 0
@@ -59,8 +60,8 @@ def test_more_attempts_are_pooled_with_each_arms_own_evaluation_and_paired(
     assert [(d["treated"], d["baseline"]) for d in result["diffs"]] == [
         ("rloo", "frozen"), ("shuffled", "frozen"), ("sft_only", "frozen"),
         ("rloo", "shuffled"), ("rloo", "sft_only"), ("shuffled", "sft_only")]
-    for arm, version in (("frozen", "v0000"), ("rloo", "v0001"), ("shuffled", "v0001"),
-                         ("sft_only", "v0001")):  # the SFT-only arm: its published final
+    for arm, version in (("frozen", "v0000"), ("rloo", final), ("shuffled", final),
+                         ("sft_only", final)):  # the SFT-only arm: its published final
         run = result["runs"][arm]
         assert run["version"] == version
         own, more = (load_episodes(exp / "arms" / arm / "traces" / t)[1] for t in run["traces"])
@@ -72,7 +73,8 @@ def test_more_attempts_are_pooled_with_each_arms_own_evaluation_and_paired(
     assert diff["estimate"] == pytest.approx(
         sum(rloo[t] - frozen[t] for t in rloo) / len(rloo))
     assert {arm: _rl_steps(exp / "arms" / arm) for arm in steps} == steps  # nothing trained
-    report = build_report(exp)
+    gates = evaluate_gates(exp)  # after the reevaluation (below, only more_attempts changes)
+    report = build_report(exp, gates)
     assert report["claim"] == claim  # the claim stays the preregistered one's
     # The report shows it beside the claim, recomputed from the traces the file names.
     (shown,) = report["more_attempts"]
@@ -85,12 +87,12 @@ def test_more_attempts_are_pooled_with_each_arms_own_evaluation_and_paired(
     tampered = json.loads(written.read_text())
     tampered["diffs"][0]["estimate"] = 0.9  # figures in the file are never read
     written.write_text(json.dumps(tampered))
-    assert build_report(exp)["more_attempts"] == [shown]
+    assert build_report(exp, gates)["more_attempts"] == [shown]
     for traces, why in ((["eval-gone.jsonl"], "missing"), (["../../rloo/config.json"], "names"),
                         (["eval-final.jsonl", "eval-start.jsonl"], "policy versions")):
         tampered["runs"]["rloo"]["traces"] = traces
         written.write_text(json.dumps(tampered))
-        (bad,) = build_report(exp)["more_attempts"]
+        (bad,) = build_report(exp, gates)["more_attempts"]
         assert not bad["measured"] and why in bad["detail"]
     written.write_text(json.dumps(result))
 
@@ -115,14 +117,9 @@ def test_more_attempts_are_pooled_with_each_arms_own_evaluation_and_paired(
 
 
 def test_a_step_reevaluates_that_version_and_scores_the_preregistered_seeds_where_unscored(
-        tiny_agent_dir: Path, tmp_path: Path, one_thread: None) -> None:
-    raw = short_run_config(tiny_agent_dir, 2)
-    evaluation = raw["evaluation"]
-    assert isinstance(evaluation, dict)
-    raw["evaluation"] = {**evaluation, "curve_points": 3}  # rloo: a point at step 1
-    cfg = parse_config(raw)
-    exp = tmp_path / "exp"
-    run_experiment(cfg, exp)
+        tiny_agent_dir: Path, tiny_experiment: Path, tmp_path: Path, one_thread: None) -> None:
+    cfg = parse_config(experiment_config(tiny_agent_dir))  # 2 steps; rloo: a point at step 1
+    exp = copy_experiment(tiny_experiment, tmp_path / "exp")
     rloo = exp / "arms" / "rloo"
     assert (rloo / "traces" / "eval-step-0001.jsonl").is_file()
     assert not (exp / "arms" / "shuffled" / "traces" / "eval-step-0001.jsonl").is_file()

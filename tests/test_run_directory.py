@@ -16,9 +16,11 @@ import pytest
 import torch
 import yaml
 
+from closedloop.cli import main
 from closedloop.config import parse_config
 from closedloop.contracts import TraceFormatError
 from closedloop.contracts.metrics_log import VOLATILE, read_metrics
+from closedloop.engine import HFGenerator
 from closedloop.learn.checkpoint import load_latest
 from closedloop.rollout.ledger import Ledger, LedgerCorruptError
 from closedloop.training.integrity import ConfigDriftError, RunStateError
@@ -184,23 +186,12 @@ def test_a_torn_trace_line_names_the_file(finished: Path, tiny_agent_dir: Path,
 
 
 # --------------------------------------------------------------------------- the CLI
-DRIVER = """
-import sys
-from closedloop.engine import HFGenerator
-if sys.argv[1] == "fault":
-    def generate_batch(self, *args, **kwargs):
-        raise TypeError("a bug in the generator")
-    HFGenerator.generate_batch = generate_batch
-from closedloop.cli import main
-sys.exit(main(sys.argv[2:]))
-"""
-
-
-def cli(*args: str, fault: bool = False) -> subprocess.CompletedProcess[str]:
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m closedloop.cli ARGS`` in a fresh process on one thread."""
     env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-c", DRIVER, "fault" if fault else "none", *args],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "closedloop.cli", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
 
 
 def test_cli_names_a_missing_config_without_a_traceback(tmp_path: Path) -> None:
@@ -212,16 +203,29 @@ def test_cli_names_a_missing_config_without_a_traceback(tmp_path: Path) -> None:
 
 
 def test_a_generator_type_error_stops_train_and_the_run_resumes_after_the_fix(
-        tiny_agent_dir: Path, tmp_path: Path) -> None:
+        tiny_agent_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In process (``closedloop.cli.main``, one thread): the bug propagates out of the command
+    (a ``closedloop`` process exits non-zero with its traceback), nothing is recorded, and the
+    fixed code resumes the same directory."""
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(short_run_config(tiny_agent_dir, 1)))
     run = tmp_path / "run"
-    broken = cli("train", str(config), "--run-dir", str(run), fault=True)
-    assert broken.returncode != 0
-    assert "TypeError: a bug in the generator" in broken.stderr
-    assert not list((run / "traces").glob("*.jsonl"))  # nothing recorded as infra_abort
-    fixed = cli("train", str(config), "--run-dir", str(run))
-    assert fixed.returncode == 0, fixed.stderr[-3000:]
+    argv = ["train", str(config), "--run-dir", str(run)]
+
+    def generate_batch(self: HFGenerator, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("a bug in the generator")
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with monkeypatch.context() as patched:
+            patched.setattr(HFGenerator, "generate_batch", generate_batch)
+            with pytest.raises(TypeError, match="a bug in the generator"):
+                main(argv)
+        assert not list((run / "traces").glob("*.jsonl"))  # nothing recorded as infra_abort
+        assert main(argv) == 0
+    finally:
+        torch.set_num_threads(threads)
     with Ledger(run / "ledger.sqlite") as ledger:
         expected = {f"s0000-g{j}" for j in range(2)}
         report = ledger.exactly_once_report(expected)

@@ -515,6 +515,7 @@ def test_episode_sum_gate_reads_the_runs_objective_and_labels_other_reducers(
     assert gate(run, "episode_sum_score_function").passed is None  # no recorded RL batch
 
 
+@pytest.mark.fresh_verifier_audit
 def test_verifier_gate_fails_with_a_lenient_grader(monkeypatch: pytest.MonkeyPatch) -> None:
     assert clean_gates().gate("verifier_fp_fn").passed is True
     json_tasks = tuple(t for t in default_fixture_task_ids() if t.startswith("json-repair"))

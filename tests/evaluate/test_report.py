@@ -170,21 +170,22 @@ def test_each_other_suite_reports_the_shuffled_control_beside_the_rl_arm(
         tmp_path: Path, suite: str, key: str, title: str) -> None:
     exp = Path(shutil.copytree(clean_experiment(), tmp_path / "exp"))
     arms = exp / "arms"
-    before = build_report(arms / "rloo")[key]  # no final evaluation on the suite yet
+    gates = experiment_gates()  # the suites below never enter a gate: evaluated once
+    before = build_report(arms / "rloo", gates)[key]  # no final evaluation on the suite yet
     assert before.get("comparison", before)["measured"] is False
     assert before.get("comparison", before)["what"] == f"RL final - frozen start ({title})"
     shutil.copy(arms / "frozen" / "traces" / "eval-start.jsonl",
                 arms / "frozen" / "traces" / f"eval-start-{suite}.jsonl")
     shutil.copy(arms / "rloo" / "traces" / "eval-final.jsonl",
                 arms / "rloo" / "traces" / f"eval-final-{suite}.jsonl")
-    report = build_report(exp / "arms" / "rloo")
+    report = build_report(exp / "arms" / "rloo", gates)
     other = report[key]
     assert other["comparison"]["measured"] and other["comparison"]["estimate"] == 0.5
     assert other["control"] == {"measured": False, "what": "shuffled-reward control",
                                 "detail": "the shuffled arm was not evaluated on this suite"}
     shutil.copy(arms / "shuffled" / "traces" / "eval-final.jsonl",
                 arms / "shuffled" / "traces" / f"eval-final-{suite}.jsonl")
-    report = build_report(exp / "arms" / "rloo")
+    report = build_report(exp / "arms" / "rloo", gates)
     control = report[key]["control"]
     assert control["measured"] and control["estimate"] == 0.0
     assert control["what"] == f"shuffled final - frozen start ({title})"
@@ -194,7 +195,7 @@ def test_each_other_suite_reports_the_shuffled_control_beside_the_rl_arm(
     attribution = report[key]["rl_minus_null"]  # the reward's share: RL against its null
     assert attribution["what"] == f"RL final - shuffled final ({title})"
     assert attribution["estimate"] == 0.5 and attribution["ci"] == [0.5, 0.5]
-    printed = "\n".join(report_lines(write_report(arms / "rloo")[1]))
+    printed = "\n".join(report_lines(write_report(arms / "rloo", gates)[1]))
     assert f"RL final - frozen start ({title}) = +0.500" in printed
     assert f"shuffled final - frozen start ({title}) = +0.000" in printed
     assert f"RL final - shuffled final ({title}) = +0.500 [+0.500, +0.500]" in printed

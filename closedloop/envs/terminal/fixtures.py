@@ -373,8 +373,13 @@ def default_fixture_task_ids() -> tuple[str, ...]:
                  for f in FAMILIES.values() for b in f.base_templates)
 
 
-@lru_cache(maxsize=4)
 def build_fixtures(task_ids: tuple[str, ...] | None = None) -> tuple[AdjudicatedFixture, ...]:
-    """The adjudicated fixture set (default: ``default_fixture_task_ids()``), memoized."""
+    """The adjudicated fixture set (default: ``default_fixture_task_ids()``), memoized
+    (``build_fixtures()`` and ``build_fixtures(None)`` are one entry)."""
+    return _build_fixtures(task_ids)
+
+
+@lru_cache(maxsize=4)
+def _build_fixtures(task_ids: tuple[str, ...] | None) -> tuple[AdjudicatedFixture, ...]:
     ids = task_ids if task_ids is not None else default_fixture_task_ids()
     return tuple(fx for task_id in ids for fx in build_task_fixtures(get_bundle(task_id)))

@@ -126,7 +126,8 @@ def experiment_config(model_dir: Path) -> dict[str, object]:
 @pytest.fixture(scope="session")
 def tiny_experiment(tiny_agent_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A finished experiment (four arms and the branching-credit arm) of
-    ``experiment_config`` on the tiny agent, run once per session on one thread. Read-only: a test that changes it works on ``copy_experiment``."""
+    ``experiment_config`` on the tiny agent, run once per session on one thread. Read-only:
+    a test that changes it works on ``copy_experiment``."""
     from closedloop.config import parse_config
     from closedloop.experiments.controls import run_experiment
 

@@ -45,7 +45,7 @@ from tests.test_crash_resume import (
     tail,
 )
 
-pytestmark = pytest.mark.slow  # two 4-step runs, one killed 4 times: ~3 min on 2 cores
+pytestmark = pytest.mark.slow  # two 3-step runs, one killed up to 4 times: ~3 min on 2 cores
 
 LAG = 1
 DEADLINE_S = 900.0
@@ -83,8 +83,9 @@ def test_an_async_run_killed_with_rounds_in_the_queue_resumes_to_the_same_weight
     deadline = time.monotonic() + DEADLINE_S
     reference = launch(config, ref_dir, tmp_path / "reference.log",
                        child_env(checkpoint_pause_s=None))
-    plan = [Kill("update", 1, 0.1), Kill("collect", 3, 0.5), Kill("update", 3, 0.05),
-            Kill("commit", 3, 0.0)]
+    last = RL_STEPS - 1
+    plan = [Kill("update", 1, 0.1), Kill("collect", last, 0.5), Kill("update", last, 0.05),
+            Kill("commit", last, 0.0)]
     try:
         crashed = run_with_kills(config, crash_dir, tmp_path / "crashed.log", plan, deadline)
         rc = reference.wait(timeout=max(1.0, deadline - time.monotonic()))

@@ -98,7 +98,7 @@ def test_the_train_suite_is_compared_for_the_rl_arm_and_its_null_and_filled_in_o
     assert {"eval start", "audit", "rl step 0", "arm rloo", "arm shuffled"} <= set(phases)
     # every arm passes the read-only proof the reading commands run (the SFT-only arm as one)
     from closedloop.evaluate.rundir import verify_reading
-    assert len(verify_reading(exp)) == 4
+    assert len(verify_reading(exp)) == 5  # the four arms and the branching-credit arm
     full = build_report(exp / "arms" / "rloo")
     assert full["run"]["precision"]["precision"] == "float32"
     assert "id='precision'>Precision: float32" in render_html(full)

@@ -22,7 +22,7 @@ from closedloop.envs.sim import (
     rules_package,
 )
 from closedloop.envs.sim.simple import tool_sampler
-from closedloop.errors import EnvPackageError, VerifierCheckError
+from closedloop.errors import EnvPackageError, TaskError, VerifierCheckError
 
 TOOLS = ({"name": "add", "description": "Add n (1-3) to the counter.",
           "parameters": {"n": "integer"}},)
@@ -90,13 +90,16 @@ def test_a_grade_may_be_a_bool_a_float_or_a_grade(result: Any, success: float) -
     assert {"tool_calls", "time_used"} <= set(score.reward)
 
 
-def test_a_grade_of_another_type_leaves_the_episode_unscored() -> None:
+def test_a_grade_of_another_type_is_a_programming_error_that_stops_the_run() -> None:
+    # only declared failures leave an episode unscored; a grade of the wrong type is the
+    # package's bug, raised with a note naming the verifier and the task
     pkg = package(grade=lambda task, state: "yes")
     env = pkg.make_env()
     task = pkg.task_sets(TaskSetRequest(1, 0, 0)).train[0]
     env.reset(task, 0)
-    score = pkg.verifier().score_or_quarantine(task, env.export_state())
-    assert score.reward is None and "TaskError" in (score.quarantine_reason or "")
+    with pytest.raises(TaskError, match="returned str") as err:
+        pkg.verifier().score_or_quarantine(task, env.export_state())
+    assert any(task in note for note in getattr(err.value, "__notes__", []))
 
 
 def test_the_scripted_policies_follow_the_plan_with_their_own_noise_seed() -> None:

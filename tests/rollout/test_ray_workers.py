@@ -16,6 +16,7 @@ from closedloop.envs.terminal.task_sets import list_tasks
 from closedloop.errors import WorkerError
 from closedloop.policy import ChatRenderer, build_tiny_model, load_embedded_tokenizer
 from closedloop.policy.lora import attach_lora, policy_weight_checksum, split_state_dict
+from closedloop.policy.weights import tensor_digests
 from closedloop.rollout.admission import AdmissionController, apply_decision
 from closedloop.rollout.collector import Collector, CollectorConfig
 from closedloop.rollout.ledger import GroupSummary, Ledger
@@ -64,7 +65,9 @@ def setup(tmp_path_factory, ray_local):
         env_workers=2, env_worker_cpus=0.25, generator_workers=1, generator_worker_cpus=1.0,
         queue_capacity=2, call_timeout_s=120))
     held = ray.load(adapter, checksum)
-    assert {w: c.combined for w, c in held.items()} == {"ray-generator-0": checksum}
+    assert {w: c.combined for w, (c, _) in held.items()} == {"ray-generator-0": checksum}
+    (_, digests), = held.values()  # the worker's own digest of every adapter tensor it holds
+    assert digests == tensor_digests(adapter)
     local = Collector(GeneratorSource(HFGenerator(policy, tok, seed=0), renderer.action_text,
                                       SamplerConfig(T), 12, manifest.generator_build),
                       renderer, package.make_env, package.verifier(), package.family_split,

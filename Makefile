@@ -8,7 +8,7 @@ smoke: setup
 	.venv/bin/closedloop smoke
 
 test: setup lint
-	.venv/bin/python -m pytest -q
+	.venv/bin/python -m pytest -q -n 2 --dist loadgroup
 
 lint: setup
 	.venv/bin/ruff check closedloop tests benchmarks

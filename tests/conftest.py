@@ -18,6 +18,11 @@ suite plays one host class (no native bf16, so ``auto`` is float32) on every CPU
 included, so its runs compute alike everywhere. Tests of the policy inject facts of their own."""
 os.environ["CLOSEDLOOP_CPU_FLAGS"] = SUITE_CPU_FLAGS
 
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:  # `make test` runs the suite on pytest-xdist workers: share the cores
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _verifier_audit_once() -> Iterator[object]:
     """The ``verifier_fp_fn`` gate's audit computed once per fixture set and verifier

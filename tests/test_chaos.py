@@ -47,7 +47,7 @@ from tests.test_crash_resume import (
     tail,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("kill-bed")]
 
 RL_STEPS = int(os.environ.get("CLOSEDLOOP_CHAOS_STEPS", "3"))
 """3 in the suite (11 kills); ``CLOSEDLOOP_CHAOS_STEPS=8`` gives the longer run (21 kills)."""

@@ -57,7 +57,7 @@ from closedloop.rollout.ledger import Ledger
 from tests import conftest
 from tests.forked_launch import KillBed, child_env
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("kill-bed")]
 
 REPO = Path(__file__).resolve().parent.parent
 RL_STEPS = conftest.KILL_RL_STEPS

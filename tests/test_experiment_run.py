@@ -19,7 +19,7 @@ from closedloop.evaluate.report import build_report, render_html
 from closedloop.experiments.controls import SUITE_ARMS, run_experiment
 from tests.conftest import copy_experiment, experiment_config
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("experiment")]
 
 
 def _run(exp: Path, model: Path) -> dict[str, object]:

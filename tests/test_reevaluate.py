@@ -30,7 +30,7 @@ from closedloop.training.resume import resume
 from closedloop.training.run_evaluation import evaluate
 from tests.conftest import HELDOUT_TASKS, copy_experiment, experiment_config
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("experiment")]
 
 
 @pytest.fixture()

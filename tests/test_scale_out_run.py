@@ -16,7 +16,8 @@ from closedloop.rollout.ray_workers import RayCollection, remote_get
 from closedloop.training.loop import train
 from tests.conftest import short_run_config
 
-pytestmark = pytest.mark.slow  # a short tiny-agent run on Ray actors (~1-2 min)
+# a short tiny-agent run on Ray actors (~1-2 min)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
 
 
 def test_a_run_on_ray_workers_survives_a_killed_environment_worker(tiny_agent_dir, ray_local,

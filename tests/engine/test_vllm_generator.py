@@ -67,6 +67,7 @@ LAYOUT = LoraLayout(r=4, alpha=8, target_modules=TARGETS)
 WORKER = "vllm-0"
 REASON = vllm_unavailable_reason()
 needs_vllm = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+pytestmark = pytest.mark.xdist_group("vllm")  # the module's one engine serves every test
 
 
 def test_the_engine_hashes_with_closedloops_recipe():

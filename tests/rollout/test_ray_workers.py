@@ -33,7 +33,8 @@ from closedloop.training.wiring import build_manifest
 
 T = 0.7
 SALT = 7
-pytestmark = pytest.mark.slow  # a Ray cluster and actors that import torch (~20 s)
+# a Ray cluster and actors that import torch (~20 s)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
 
 
 @pytest.fixture(scope="module")

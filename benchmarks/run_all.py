@@ -26,8 +26,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _common import machine_label  # noqa: E402
 
-BENCHES = ("env", "precision", "generation", "rollout", "trainer", "sft", "rlstep", "trl",
-           "trl_multiturn", "vllm", "ray")
+BENCHES = ("env", "precision", "generation", "rollout", "trainer", "sft", "rlstep", "async",
+           "trl", "trl_multiturn", "vllm", "ray")
 
 
 def main() -> None:

@@ -23,8 +23,8 @@ policy on the held-out suite. Per side it prints:
   generator and trainer utilization (the ``pipeline`` record under async, the step timings when
   synchronous);
 - the same utilizations over the RL wall time measured here, with the trainer's wait for the
-  queue taken out (the ``pipeline`` record's ``trainer_busy_s`` counts the wait inside
-  ``queue.take`` as busy; the step records' ``timing.trainer_wait_s`` gives it);
+  queue taken out (the step records' ``timing.trainer_wait_s``; the ``pipeline`` record's
+  ``trainer_busy_s`` is already net of it);
 - what overlap buys (a lower bound on the seconds both roles were busy at once: generator busy
   + trainer busy - RL wall) and what it costs (each role's busy time per round/step against the
   synchronous run's: on a host with fewer cores than the two roles' threads, each runs slower
@@ -184,7 +184,9 @@ def run_side(name: str, data: dict[str, Any], run_dir: Path) -> Side:
     pipeline = next(iter(rundir.metrics_of("pipeline")), None)
     if pipeline is not None:
         timing = pipeline["timing"]
-        gen, trainer = float(timing["generator_busy_s"]), float(timing["trainer_busy_s"])
+        # trainer_busy_s is net of the queue wait; the figures below take the wait out again
+        gen = float(timing["generator_busy_s"])
+        trainer = float(timing["trainer_busy_s"]) + wait
     else:
         secs = [r.seconds for r in reports]
         gen = sum(s.get("collect_s", 0.0) for s in secs)

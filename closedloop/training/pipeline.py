@@ -108,10 +108,17 @@ def _run_async(run: Run, on_step: OnStep | None) -> list[StepReport]:
                                  "steps": len(reports), "timing": {
                                      "wall_s": wall, "generator_busy_s": generator.busy_s,
                                      "generator_wait_s": generator.wait_s,
-                                     "trainer_busy_s": sum(
-                                         sum(v for k, v in r.seconds.items() if k != "wait_s")
-                                         for r in reports)}})
+                                     "trainer_busy_s": sum(_trainer_busy(r)
+                                                           for r in reports)}})
     return reports
+
+
+def _trainer_busy(report: StepReport) -> float:
+    """A step's trainer seconds net of its wait for the queue (``trainer_wait_s``: the take
+    blocked on a round the generator had not finished)."""
+    total = sum(v for k, v in report.seconds.items() if k != "wait_s")
+    waited = float((report.metrics.get("timing") or {}).get("trainer_wait_s") or 0.0)
+    return max(0.0, total - waited)
 
 
 class GeneratorThread(threading.Thread):

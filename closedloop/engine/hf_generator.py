@@ -51,6 +51,7 @@ from closedloop.engine.decode_copy import DecodeCopy
 from closedloop.engine.device import model_device
 from closedloop.engine.llama_decode import LlamaDecodeCopy, supports
 from closedloop.engine.precision import check_precision, matmul_precision
+from closedloop.engine.token_ids import checked_token_ids
 from closedloop.errors import ContextOverflowError, GenerationError
 from closedloop.policy.generator import (
     FinishReason,
@@ -380,10 +381,7 @@ class HFGenerator:
             raise GenerationError(f"unknown or closed session {session}") from None
 
     def _checked_ids(self, ids: Sequence[int]) -> list[int]:
-        out = [int(i) for i in ids]
-        if any(i < 0 or i >= self.vocab_size for i in out):
-            raise GenerationError(f"token ids must be in [0, {self.vocab_size})")
-        return out
+        return checked_token_ids(ids, self.vocab_size)
 
 
 def _record(row: _Row, picked: tuple[list[int], list[float], list[float]], j: int,

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from closedloop.contracts import TOOL_CALL_CLOSE, SamplerConfig
+from closedloop.engine.token_ids import checked_token_ids
 from closedloop.engine.vllm_engine import VLLMEngine
 from closedloop.errors import ContextOverflowError, GenerationError
 from closedloop.policy.generator import (
@@ -285,10 +286,7 @@ class VLLMGenerator:
             raise GenerationError(f"unknown or closed session {session}") from None
 
     def _checked_ids(self, ids: Sequence[int]) -> list[int]:
-        out = [int(i) for i in ids]
-        if any(i < 0 or i >= self.vocab_size for i in out):
-            raise GenerationError(f"token ids must be in [0, {self.vocab_size})")
-        return out
+        return checked_token_ids(ids, self.vocab_size)
 
 
 def _action(result: dict[str, Any], matcher: StopMatcher, max_new: int) -> Generation:

@@ -8,7 +8,7 @@ smoke: setup
 	.venv/bin/closedloop smoke
 
 test: setup lint
-	.venv/bin/python -m pytest -q -n 2 --dist loadgroup
+	.venv/bin/python -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder
 
 lint: setup
 	.venv/bin/ruff check closedloop tests benchmarks

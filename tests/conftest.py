@@ -5,6 +5,7 @@ computed once per fixture set and verifier (``tests.shared_audit``)."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +22,40 @@ os.environ["CLOSEDLOOP_CPU_FLAGS"] = SUITE_CPU_FLAGS
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:  # `make test` runs the suite on pytest-xdist workers: share the cores
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``--dist loadgroup`` (``make test``): a test without an ``xdist_group`` joins its
+    module's group, so a module-scoped fixture is built on one worker only; and the slow tests
+    come first, so the longest work units start first and the short ones fill in the tail
+    (with ``--no-loadscope-reorder`` xdist keeps this order)."""
+    if not getattr(config.option, "loadgroup", False):  # set on each xdist worker
+        return
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Stop when pytest-xdist did not tag the groups (its tag is the node id's ``@group``
+    suffix, which pytest 9.2 no longer lets it set): every group would be split over the
+    workers and each worker would build every costly shared fixture."""
+    if not getattr(session.config.option, "loadgroup", False) or not session.items:
+        return
+    if not any("@" in item.nodeid for item in session.items):
+        raise pytest.UsageError(
+            f"pytest-xdist {_xdist_version()} did not group the tests under pytest "
+            f"{pytest.__version__} (no node id carries its '@group' tag): install the "
+            "versions pyproject.toml pins (scripts/setup)")
+
+
+def _xdist_version() -> str:
+    from importlib.metadata import version
+
+    return version("pytest-xdist")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -52,7 +87,22 @@ TRAIN_TASKS, HELDOUT_TASKS, SEED = 2, 2, 0
 @pytest.fixture(scope="session")
 def tiny_agent_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama that solves the two train tasks about half the time (tests.tiny_agent),
-    saved as a local model folder a run config's ``model:`` accepts."""
+    saved as a local model folder a run config's ``model:`` accepts. Built once per test run:
+    under pytest-xdist the first worker to ask builds it in the run's shared temporary folder
+    while the others wait on its lock (it is deterministic, built on one thread)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        return _build_tiny_agent(tmp_path_factory.mktemp("tiny-agent") / "model")
+    shared = tmp_path_factory.getbasetemp().parent / "tiny-agent"
+    shared.mkdir(exist_ok=True)
+    with open(shared / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (shared / "built").exists():
+            _build_tiny_agent(shared / "model")
+            (shared / "built").touch()
+    return shared / "model"
+
+
+def _build_tiny_agent(folder: Path) -> Path:
     from closedloop.envs.terminal.task_sets import build_task_sets
     from tests.tiny_agent import build_tiny_agent
 
@@ -60,8 +110,7 @@ def tiny_agent_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        agent = build_tiny_agent(tmp_path_factory.mktemp("tiny-agent") / "model",
-                                 sets.train_ids, sets.heldout_ids, seed=SEED)
+        agent = build_tiny_agent(folder, sets.train_ids, sets.heldout_ids, seed=SEED)
     finally:
         torch.set_num_threads(threads)
     assert agent.mixed_tasks, f"the tiny agent never both solves and fails: {agent.outcomes}"

@@ -3,11 +3,12 @@ train`` while the generator's rounds wait in the admission queue, resume, compar
 uninterrupted run.
 
 The machinery is ``tests.test_crash_resume``'s (one launch per kill, the whole process group
-killed), with a plan in the async timeline's order: under async at lag 1 the generator commits
-round k's trace while the trainer is still on step k - 1, so an ``update`` kill at k (fired
-when round k's trace appears) lands with round k buffered in the queue; a ``collect`` kill
-lands in a partial round, ``checkpoint`` and ``commit`` kills around the trainer's commit
-point.
+killed; each launch, the reference's too, forked from the kill bed's zygote,
+``tests.conftest.kill_bed``, so a relaunch costs the model load, not the imports), with a plan
+in the async timeline's order: under async at lag 1 the generator commits round k's trace while
+the trainer is still on step k - 1, so an ``update`` kill at k (fired when round k's trace
+appears) lands with round k buffered in the queue; a ``collect`` kill lands in a partial round,
+``checkpoint`` and ``commit`` kills around the trainer's commit point.
 
 Then, against the reference: every group consumed exactly once (none lost, none replayed:
 the same groups, the same sampled actions), the ledger's fates and steps equal, the final
@@ -32,20 +33,21 @@ import yaml
 from closedloop.contracts import load_episodes
 from closedloop.rollout.ledger import Ledger
 from tests.conftest import short_run_config
+from tests.forked_launch import KillBed
 from tests.test_crash_resume import (
     RL_STEPS,
     Kill,
     child_env,
     final_checkpoint,
     flat_tensors,
-    launch,
     leaves_equal,
     run_with_kills,
     step_actions,
     tail,
 )
 
-pytestmark = pytest.mark.slow  # two 3-step runs, one killed up to 4 times: ~3 min on 2 cores
+# two 3-step runs, one killed up to 4 times; the kill bed's zygote forks every launch
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("kill-bed")]
 
 LAG = 1
 DEADLINE_S = 900.0
@@ -76,18 +78,19 @@ def _started_after_their_version(run_dir: Path) -> list[str]:
 
 
 def test_an_async_run_killed_with_rounds_in_the_queue_resumes_to_the_same_weights(
-        tiny_agent_dir: Path, tmp_path: Path) -> None:
+        tiny_agent_dir: Path, kill_bed: KillBed, tmp_path: Path) -> None:
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(async_config(tiny_agent_dir)))
     ref_dir, crash_dir = tmp_path / "reference", tmp_path / "crashed"
     deadline = time.monotonic() + DEADLINE_S
-    reference = launch(config, ref_dir, tmp_path / "reference.log",
-                       child_env(checkpoint_pause_s=None))
+    reference = kill_bed.zygote.launch(config, ref_dir, tmp_path / "reference.log",
+                                       child_env(checkpoint_pause_s=None))
     last = RL_STEPS - 1
     plan = [Kill("update", 1, 0.1), Kill("collect", last, 0.5), Kill("update", last, 0.05),
             Kill("commit", last, 0.0)]
     try:
-        crashed = run_with_kills(config, crash_dir, tmp_path / "crashed.log", plan, deadline)
+        crashed = run_with_kills(config, crash_dir, tmp_path / "crashed.log", plan, deadline,
+                                 launcher=kill_bed.zygote.launch)
         rc = reference.wait(timeout=max(1.0, deadline - time.monotonic()))
     finally:
         if reference.poll() is None:

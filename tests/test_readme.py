@@ -45,7 +45,7 @@ def test_the_readme_opens_with_the_two_commands_and_stays_a_users_document() -> 
     first = blocks("bash")[0].strip().splitlines()
     assert [line.split("#")[0].strip() for line in first] == ["make smoke", "make test"]
     assert README.index("make smoke") < README.index("## ")
-    assert len(README.splitlines()) <= 170
+    assert len(README.splitlines()) <= 160
     assert HISTORY.findall(README) == []
 
 

@@ -96,7 +96,9 @@ class RealStep:
                        "batch": _Timed(trainer, "update", observe),
                        "checkpoint": _Timed(trainer, "checkpoint"),
                        "stage": _Timed(publisher, "stage"),
-                       "worker_load": _Timed(worker, "load")}
+                       "worker_load": _Timed(worker, "load"),
+                       "prove": _Timed(worker, "prove"),  # its load is timed inside it
+                       "acknowledge": _Timed(publisher, "acknowledge")}
         self.setup_s = time.perf_counter() - t0
         self.next_step = 0
 
@@ -131,8 +133,10 @@ class RealStep:
             "credit, ledger check, padded batch": secs.get("update_s", 0.0) - update,
             "checkpoint": timers["checkpoint"],
             "publication (stage, worker load + ack)": timers["stage"] + timers["worker_load"],
-            "sampler, ledger marks, metrics": secs.get("publish_s", 0.0) - timers["checkpoint"]
-            - timers["stage"] - timers["worker_load"],
+            "replica proof (worker's probe sample, trainer's reference)": timers["prove"]
+            - timers["worker_load"] + timers["acknowledge"],
+            "sampler, ledger marks, trainer checksum": secs.get("publish_s", 0.0)
+            - timers["checkpoint"] - timers["stage"] - timers["prove"] - timers["acknowledge"],
         }
         bookkeeping = wall - generation - environment - update
         action_tokens = sum(len(t.action_token_ids) for e in episodes for t in e.turns)

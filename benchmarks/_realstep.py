@@ -16,7 +16,8 @@ its breakdown (seconds):
   base snapshots, rendering observation deltas, turn records and the trace (``render_s``,
   ``bookkeeping_s``, the rest of collection), the clean-room verifier step (``verify_s``),
   admission and the ledger (``admit_s``), credit and the padded batch, the checkpoint, the
-  publication (stage, the worker's load, its checksum acknowledgement) and the metrics record.
+  publication (stage; the worker's load and its proof: the probe it samples, scored by the
+  publisher with the trainer's weights, and the acknowledgement) and the metrics record.
   Itemized in ``items``.
 
 The timers only read ``time.perf_counter`` around calls the step makes anyway; the run does
@@ -96,8 +97,7 @@ class RealStep:
                        "batch": _Timed(trainer, "update", observe),
                        "checkpoint": _Timed(trainer, "checkpoint"),
                        "stage": _Timed(publisher, "stage"),
-                       "worker_load": _Timed(worker, "load"),
-                       "prove": _Timed(worker, "prove"),  # its load is timed inside it
+                       "prove": _Timed(worker, "prove"),
                        "acknowledge": _Timed(publisher, "acknowledge")}
         self.setup_s = time.perf_counter() - t0
         self.next_step = 0
@@ -132,9 +132,9 @@ class RealStep:
             "admission + ledger": secs.get("admit_s", 0.0),
             "credit, ledger check, padded batch": secs.get("update_s", 0.0) - update,
             "checkpoint": timers["checkpoint"],
-            "publication (stage, worker load + ack)": timers["stage"] + timers["worker_load"],
-            "replica proof (worker's probe sample, trainer's reference)": timers["prove"]
-            - timers["worker_load"] + timers["acknowledge"],
+            "publication: stage": timers["stage"],
+            "publication: replica proof (worker load, probe sample, trainer's reference, ack)":
+            timers["prove"] + timers["acknowledge"],
             "sampler, ledger marks, trainer checksum": secs.get("publish_s", 0.0)
             - timers["checkpoint"] - timers["stage"] - timers["prove"] - timers["acknowledge"],
         }

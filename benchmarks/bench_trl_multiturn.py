@@ -28,14 +28,16 @@ step of each pass is a warm-up left out of the medians. Precision: float32, or b
 the CPU multiplies it natively (``--precision``; never emulated bf16).
 
     .venv/bin/python benchmarks/bench_trl_multiturn.py [--steps 2] [--tasks 8] [--group 4]
-        [--max-turns 8] [--sft-demos 48] [--sft-epochs 3] [--sft-adapter DIR] [--threads 2]
+        [--max-turns 8] [--sft-demos 48] [--sft-epochs 3] [--sft-adapter DIR] [--save-sft DIR]
+        [--threads 2]
         [--precision float32|bfloat16] [--trl-budget 2048] [--trl-micro 8] [--no-trl]
         [--quick] [--summary PATH]
 
 ``--sft-adapter DIR``: reuse a run's warm start (a folder holding ``adapter.pt`` and
 ``result.json``, e.g. ``<smoke run>/sft``; it must match the smoke's LoRA shape) instead of
-training one. ``--quick``: 2 tasks x G=2, 3 turns, 4 SFT demonstrations x 1 epoch, ours then
-TRL with one step each (a check that both sides run; its figures mean nothing).
+training one; ``--save-sft DIR`` keeps the one trained here for that. ``--quick``: 2 tasks x
+G=2, 3 turns, 4 SFT demonstrations x 1 epoch, ours then TRL with one step each (a check that
+both sides run; its figures mean nothing).
 """
 
 from __future__ import annotations
@@ -146,6 +148,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument("--sft-epochs", type=int, default=3)
     ap.add_argument("--sft-adapter", help="reuse a run's warm start (a folder with adapter.pt "
                     "and result.json)")
+    ap.add_argument("--save-sft", help="copy the warm start (adapter.pt, result.json) to this "
+                    "folder once trained, for a later --sft-adapter")
     ap.add_argument("--precision", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--trl-budget", type=int, default=2048)
@@ -173,6 +177,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         ours = RealStep(bench_config(args, args.precision), folder, warm=True,
                         after_open=lambda run: save_policy(run, policy_dir))
         try:
+            if args.save_sft:
+                shutil.copytree(folder / "sft", args.save_sft, dirs_exist_ok=True)
             spec = spec_for(ours.run, args)
             print(f"[multiturn] set-up {ours.setup_s:.1f}s (run directory, warm start, policy "
                   f"saved for TRL); {args.tasks} tasks x G={args.group}, <= {args.max_turns} "

@@ -36,7 +36,7 @@ from closedloop.rollout.collector import Collector, CollectorConfig
 from closedloop.rollout.verifier_step import CollectedGroup, RolloutGroup
 from closedloop.rollout.work_orders import GroupSpec
 from closedloop.training.collection import commit_trace
-from closedloop.training.weight_sync import Proof
+from closedloop.training.weight_sync import Proof, probe_prompt
 from closedloop.training.wiring import CollectorParts, make_collector
 
 BASE_DIR = "engine-base"
@@ -254,7 +254,7 @@ class VLLMScaleOut(_ScaleOut):
         self.replica = VLLMReplica(self.generator, VLLM_WORKER,
                                    LoraLayout(t.lora_rank, t.lora_alpha, tuple(t.lora_targets)),
                                    run.dir / "vllm-adapters", cfg.consistency.max_abs_tolerance)
-        self.probe = Probe(tuple(run.policy.renderer.render_prompt(PROBE_TEXT)),
+        self.probe = Probe(probe_prompt(run.policy.renderer, PROBE_TEXT),
                            cfg.rollout.sampler, max_new_tokens=v.probe_tokens, stream=t.seed)
         self.build = (f"vllm:{self.engine.hello.get('vllm_version')}/float32/"
                       f"{self.engine.hello.get('logprobs_mode')}")

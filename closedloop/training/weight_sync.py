@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from closedloop.contracts import SamplerConfig, content_hash
+from closedloop.policy.chat import ChatMessage
 
-__all__ = ["PROBE_TEXT", "Probe", "Proof", "probe_of"]
+__all__ = ["PROBE_TEXT", "Probe", "Proof", "probe_of", "probe_prompt"]
 
 PROBE_TEXT = "Probe: repair config.json so that it parses."
 """The task text the probe prompt renders (any fixed text: only identity matters)."""
@@ -37,9 +38,22 @@ class Probe:
     seed: int = 20_240_601
 
 
+def probe_prompt(renderer: Any, text: str = PROBE_TEXT) -> tuple[int, ...]:
+    """The probe's prompt ids: ``text`` as the only user message of the run's chat template,
+    then the assistant header.
+
+    The probe proves which weights an engine serves, and every prompt and sampled token
+    passes every adapted projection of every layer, so a short prompt tests the same thing
+    as turn 0's: the scaffold's system block (tools included, ~230 ids on the terminal
+    tasks) would only add its prefill to each proof and to the trainer's reference."""
+    template = renderer.template
+    return tuple(renderer.encode(template.render_messages([ChatMessage("user", text)],
+                                                          add_generation_prompt=True)))
+
+
 def probe_of(renderer: Any, sampler: SamplerConfig) -> Probe:
-    """The run's probe: ``PROBE_TEXT`` rendered by the run's scaffold, the run's sampler."""
-    return Probe(tuple(renderer.render_prompt(PROBE_TEXT)), sampler)
+    """The run's probe: ``probe_prompt`` of ``PROBE_TEXT``, the run's sampler."""
+    return Probe(probe_prompt(renderer), sampler)
 
 
 @dataclass(frozen=True)

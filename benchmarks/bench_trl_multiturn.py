@@ -125,17 +125,26 @@ def run_trl(model_dir: Path, spec: dict[str, Any], args: argparse.Namespace, bf1
            "--generations", str(args.group), "--budget", str(args.trl_budget),
            "--micro", str(args.trl_micro)] + (["--bf16"] if bf16 else [])
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result: dict[str, Any] | None = None
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=7200, check=False,
-                              env=env)
+        # Streamed, so each step's time shows as it ends (a pass can take an hour on a CPU).
+        # stderr (progress bars) goes to a file: an unread pipe would fill and stall TRL.
+        with tempfile.TemporaryFile("w+") as err, subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env) as proc:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                if line.startswith("[trl-env]"):
+                    print(line.rstrip(), flush=True)
+                if line.startswith("TRL_RESULT "):
+                    result = dict(json.loads(line[len("TRL_RESULT "):]))
+            proc.wait()
+            err.seek(0)
+            stderr = err.read()
     finally:
         Path(fh.name).unlink(missing_ok=True)
-    for line in proc.stdout.splitlines():
-        if line.startswith("[trl-env]"):
-            print(line, flush=True)
-        if line.startswith("TRL_RESULT "):
-            return dict(json.loads(line[len("TRL_RESULT "):]))
-    return f"failed (rc {proc.returncode}): {proc.stderr.strip()[-2000:]}"
+    if result is not None:
+        return result
+    return f"failed (rc {proc.returncode}): {stderr.strip()[-2000:]}"
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:

@@ -246,6 +246,7 @@ def main() -> None:
                 "tool_calls": sum(s["tool_calls"] for s in new),
                 "finished": sum(1 for s in new if s["finished"]),
                 "env_s": sum(s["env_s"] for s in new), "rollouts": len(completions)})
+            print(f"[trl-env] rollout {len(rollouts)}: {json.dumps(rollouts[-1])}", flush=True)
             return result
 
         trainer._generate = generate

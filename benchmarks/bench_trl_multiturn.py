@@ -24,14 +24,17 @@ that ends without ``finish`` scores 0); it trains in micro-batches of ``--trl-mi
 Per side and step it prints: wall time, model turns, action and observation tokens, and the
 share in generation, environment, update and (ours) contract bookkeeping, (TRL) reward and
 scoring. Target: ours >= 6x faster per step. The sides alternate (ours, TRL, ours); the first
-step of each pass is a warm-up left out of the medians. Precision: float32, or bfloat16 where
-the CPU multiplies it natively (``--precision``; never emulated bf16).
+step of each pass is a warm-up left out of the medians. ``--trl-steps 1`` times TRL's first step
+only, its warm-up included (which can only add to TRL's time; compare it with our first step
+too): at 8 turns and a 2048-token budget, one TRL step on 2 CPU cores can take an hour.
+Precision: float32, or bfloat16 where the CPU multiplies it natively (``--precision``; never
+emulated bf16).
 
     .venv/bin/python benchmarks/bench_trl_multiturn.py [--steps 2] [--tasks 8] [--group 4]
         [--max-turns 8] [--sft-demos 48] [--sft-epochs 3] [--sft-adapter DIR] [--save-sft DIR]
         [--threads 2]
-        [--precision float32|bfloat16] [--trl-budget 2048] [--trl-micro 8] [--no-trl]
-        [--quick] [--summary PATH]
+        [--precision float32|bfloat16] [--trl-steps N] [--trl-budget 2048] [--trl-micro 8]
+        [--no-trl] [--quick] [--summary PATH]
 
 ``--sft-adapter DIR``: reuse a run's warm start (a folder holding ``adapter.pt`` and
 ``result.json``, e.g. ``<smoke run>/sft``; it must match the smoke's LoRA shape) instead of
@@ -161,6 +164,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                     "folder once trained, for a later --sft-adapter")
     ap.add_argument("--precision", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--trl-steps", type=int, help="TRL's steps (default --steps); 1 times TRL's "
+                    "first step, its warm-up included (a TRL step can take an hour on 2 cores)")
     ap.add_argument("--trl-budget", type=int, default=2048)
     ap.add_argument("--trl-micro", type=int, default=8)
     ap.add_argument("--no-trl", action="store_true")
@@ -194,7 +199,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                   f"turns, {ours.run.cfg.rollout.max_action_tokens} action tokens a turn")
             parts = ours_pass(ours, args, "pass 1")
             trl = "skipped (--no-trl)" if args.no_trl else run_trl(
-                policy_dir, spec, args, args.precision == "bfloat16", args.steps)
+                policy_dir, spec, args, args.precision == "bfloat16",
+                args.trl_steps or args.steps)
             if not isinstance(trl, str) or args.quick:
                 parts += ours_pass(ours, args, "pass 2")
         finally:
@@ -238,6 +244,9 @@ def report(parts: list[dict[str, Any]], trl: dict[str, Any] | str,
         return out
     steps = trl["steps_s"][1:] or trl["steps_s"]
     rolls = trl["rollouts"][1:] or trl["rollouts"]
+    if len(trl["steps_s"]) == 1:
+        print("[multiturn] TRL ran one step: its figure is a first step, warm-up included "
+              "(ours leaves its first step out)")
     trl_s = median(steps)
     split = trl["split_s"]
     print(f"[multiturn] TRL {trl['trl']} environment_factory (bf16 {trl['bf16']}, budget "

@@ -66,6 +66,31 @@ CHAT_TEMPLATE = (
 )
 
 STATS: list[dict[str, Any]] = []  # one record per rollout (reset), in order
+STOP = "</tool_call>"
+
+
+def stop_at_tool_call(tokenizer: Any) -> None:
+    """Give transformers' ``generate`` the tokenizer its ``stop_strings`` need and end each
+    stopped turn with the end-of-turn id.
+
+    TRL calls ``generate`` without a tokenizer, and TRL assumes a turn ends with EOS (it closes
+    the assistant message by appending the tool response after EOS). closedloop stops a turn at
+    ``</tool_call>`` and its template closes the message with ``<|im_end|>``; here generate
+    stops at the same string, and one column of the pad id (``<|im_end|>``, the id finished
+    rows are already padded with) is appended, so the row that stopped last is closed too.
+    """
+    import torch
+    from transformers.generation.utils import GenerationMixin
+
+    inner = GenerationMixin.generate
+
+    def generate(self: Any, *a: Any, **k: Any) -> Any:
+        k.setdefault("tokenizer", tokenizer)
+        out = inner(self, *a, **k)
+        pad = torch.full((out.shape[0], 1), tokenizer.pad_token_id, dtype=out.dtype)
+        return torch.cat([out, pad.to(out.device)], dim=1)
+
+    GenerationMixin.generate = generate  # type: ignore[method-assign]
 
 
 class TerminalTools:
@@ -173,6 +198,7 @@ def main() -> None:
     ap.add_argument("--generations", type=int, default=4)
     ap.add_argument("--budget", type=int, default=2048, help="max_completion_length")
     ap.add_argument("--micro", type=int, default=8, help="per_device_train_batch_size")
+    ap.add_argument("--turn-tokens", type=int, default=128, help="max_new_tokens of each turn")
     ap.add_argument("--bf16", action="store_true")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -198,6 +224,7 @@ def main() -> None:
                                               tokenize=True, return_dict=False)) == t["prompt_ids"]
                  for r, t in zip(rows, tasks, strict=True)]
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
+    stop_at_tool_call(tok)
     times: list[float] = []
 
     class Timer(TrainerCallback):
@@ -220,7 +247,8 @@ def main() -> None:
             top_p=1.0, beta=0.02, learning_rate=float(spec["learning_rate"]),
             max_steps=args.steps, num_iterations=1, logging_steps=1, save_strategy="no",
             report_to="none", dataloader_num_workers=0, seed=0,
-            max_tool_calling_iterations=int(spec["max_turns"]) - 1)
+            max_tool_calling_iterations=int(spec["max_turns"]) - 1,
+            generation_kwargs={"stop_strings": [STOP], "max_new_tokens": args.turn_tokens})
         from peft import LoraConfig
 
         lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, bias="none",
@@ -233,11 +261,10 @@ def main() -> None:
         inner_generate = trainer._generate
 
         def generate(*a: Any, **k: Any) -> Any:
-            before = len(STATS)
             result = inner_generate(*a, **k)
             completion_ids, tool_mask, completions = result[1], result[2], result[3]
             mask = tool_mask or [[1] * len(ids) for ids in completion_ids]
-            new = STATS[before:]
+            new = STATS[-len(completions):]  # TRL resets each rollout's environment before this
             rollouts.append({
                 "action_tokens": sum(sum(m) for m in mask),
                 "observation_tokens": sum(len(m) - sum(m) for m in mask),

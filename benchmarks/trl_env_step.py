@@ -6,10 +6,13 @@ Runs in ``.bench-venv`` with the repository on ``PYTHONPATH``: the thin wrapper 
 torch, transformers and the standard library only) and nothing of closedloop's training code.
 One ``TerminalTools`` per rollout: ``reset(task_id, seed)`` resets a ``TerminalRepairEnv`` (the
 prompt already holds the task's first observation), each tool is one method that calls
-``env.step(Action.tool(name, **arguments))`` and returns the observation text, and
+``env.step(Action.tool(name, **arguments))`` and returns the observation text (``finish`` and
+``abstain`` step the environment's two non-tool action kinds, as closedloop's parser maps them), and
 ``get_reward`` is the package's clean-room verifier on the exported state once ``finish`` (or
 ``abstain``) ended the episode, 0.0 otherwise (TRL has no censoring: an episode that ran out of
-turns or stopped calling tools scores 0).
+turns or stopped calling tools scores 0). TRL's loop has no way for an environment to end an
+episode: after ``finish`` the model is prompted again, and a tool it calls then answers
+``episode_over`` (counted as ``calls_after_end``; closedloop's episode ends at ``finish``).
 
 The scaffold is closedloop's: the same system message (system prompt and tools block) and a
 chat template that renders closedloop's ChatML tool format (``<tool_call>{"name": ...,
@@ -111,7 +114,8 @@ class TerminalTools:
         t0 = time.perf_counter()
         self._env.reset(task_id, int(seed))
         self._task, self._done = task_id, False
-        self._stats = {"task": task_id, "tool_calls": 0, "env_s": 0.0, "finished": False}
+        self._stats = {"task": task_id, "tool_calls": 0, "env_s": 0.0, "finished": False,
+                       "calls_after_end": 0}
         STATS.append(self._stats)
         self._stats["env_s"] += time.perf_counter() - t0
 
@@ -122,8 +126,11 @@ class TerminalTools:
         try:
             self._stats["tool_calls"] += 1
             if self._done:
+                self._stats["calls_after_end"] += 1
                 return '{"error": "episode_over"}'
-            tr = self._env.step(Action.tool(name, **arguments))
+            kind = {"finish": Action.finish, "abstain": Action.abstain}.get(name)
+            action = kind(**arguments) if kind else Action.tool(name, **arguments)
+            tr = self._env.step(action)
             self._done = tr.done
             self._stats["finished"] = tr.done
             return tr.observation
@@ -236,6 +243,7 @@ def main() -> None:
             print(f"[trl-env] step {len(times)}: {times[-1]:.2f}s", flush=True)
 
     batch = len(tasks) * args.generations
+    args.micro = min(args.micro, batch)
     rollouts: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as out:
         cfg = GRPOConfig(
@@ -272,6 +280,7 @@ def main() -> None:
                                    for c in completions),
                 "tool_calls": sum(s["tool_calls"] for s in new),
                 "finished": sum(1 for s in new if s["finished"]),
+                "calls_after_end": sum(s["calls_after_end"] for s in new),
                 "env_s": sum(s["env_s"] for s in new), "rollouts": len(completions)})
             print(f"[trl-env] rollout {len(rollouts)}: {json.dumps(rollouts[-1])}", flush=True)
             return result

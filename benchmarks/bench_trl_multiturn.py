@@ -16,10 +16,12 @@ sizes: KV-cached multi-turn decoding (an observation is appended to the cache, n
 re-prefilled), per-turn action limit ``rollout.max_action_tokens`` (the smoke's 128), censoring
 of truncated episodes, every contract on. TRL: ``benchmarks/trl_env_step.py`` in
 ``.bench-venv`` — a thin wrapper (``TerminalTools``) that imports closedloop's terminal
-environment and verifier there and exposes each tool as a method; TRL re-prefills the whole
-context every turn, has no per-turn token limit (``max_completion_length``, ``--trl-budget``,
-bounds the whole multi-turn completion, tool results included) and no censoring (an episode
-that ends without ``finish`` scores 0); it trains in micro-batches of ``--trl-micro``.
+environment and verifier there and exposes each tool as a method; each TRL turn stops at
+``</tool_call>`` within the same 128-token limit (given to TRL's ``generate``), and
+``max_completion_length`` (``--trl-budget``) bounds the whole multi-turn completion, tool
+results included. TRL re-prefills the whole context every turn, has no censoring (an episode
+that ends without ``finish`` scores 0), cannot let the environment end an episode (after
+``finish`` the model is prompted again), and trains in micro-batches of ``--trl-micro``.
 
 Per side and step it prints: wall time, model turns, action and observation tokens, and the
 share in generation, environment, update and (ours) contract bookkeeping, (TRL) reward and
@@ -38,9 +40,9 @@ emulated bf16).
 
 ``--sft-adapter DIR``: reuse a run's warm start (a folder holding ``adapter.pt`` and
 ``result.json``, e.g. ``<smoke run>/sft``; it must match the smoke's LoRA shape) instead of
-training one; ``--save-sft DIR`` keeps the one trained here for that. ``--quick``: 2 tasks x
-G=2, 3 turns, 4 SFT demonstrations x 1 epoch, ours then TRL with one step each (a check that
-both sides run; its figures mean nothing).
+training one; ``--save-sft DIR`` keeps the one trained here for that. ``--quick`` (with
+``--sft-adapter``): 2 tasks x G=2, one step per side (a check that both sides run; its figures
+mean nothing).
 """
 
 from __future__ import annotations
@@ -111,6 +113,7 @@ def spec_for(run: Run, args: argparse.Namespace) -> dict[str, Any]:
     return {"system": renderer.template.system_content(renderer.system_prompt,
                                                        renderer.tool_schemas),
             "tasks": tasks, "max_turns": cfg.environment.max_turns,
+            "max_action_tokens": cfg.rollout.max_action_tokens,
             "temperature": cfg.rollout.temperature,
             "learning_rate": cfg.training.learning_rate,
             "lora_targets": list(cfg.training.lora_targets)}
@@ -173,8 +176,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument("--summary")
     args = ap.parse_args(argv)
     if args.quick:
-        args.steps, args.tasks, args.group, args.max_turns = 1, 2, 2, 3
-        args.sft_demos, args.sft_epochs, args.trl_budget, args.trl_micro = 4, 1, 384, 4
+        if not args.sft_adapter:
+            ap.error("--quick needs --sft-adapter DIR: a warm start small enough for a size check "
+                     "leaves every episode censored, and the run stops as unscorable")
+        args.steps, args.tasks, args.group, args.trl_micro = 1, 2, 2, 4
     set_threads(args.threads)
     print(f"[multiturn] machine: {machine_label()}")
     if args.precision == "bfloat16" and resolve_precision("auto").precision != "bfloat16":

@@ -23,10 +23,12 @@ equal closedloop's (``prompt_ids_match``).
 
 Step budget: TRL's first generation plus at most ``max_turns - 1`` tool-calling iterations
 (``max_tool_calling_iterations``), so at most ``max_turns`` model turns, as closedloop's
-``environment.max_turns``. TRL has no per-turn token limit: ``max_completion_length`` bounds
-the whole multi-turn completion (model and tool tokens together), and every turn re-prefills
-the whole context. One optimizer step per generation batch of ``len(tasks) x G``
-completions, in micro-batches of ``--micro`` (gradient accumulation), TRL's other defaults.
+``environment.max_turns``. Each turn stops at ``</tool_call>`` or after the spec's
+``max_action_tokens`` (``generation_kwargs``, as closedloop's turn; ``stop_at_tool_call``),
+``max_completion_length`` bounds the whole multi-turn completion (model and tool tokens
+together), and every turn re-prefills the whole context. One optimizer step per generation batch
+of ``len(tasks) x G`` completions, in micro-batches of ``--micro`` (gradient accumulation),
+TRL's other defaults.
 
 Per step: TRL's step time (callback), ``generate`` (``_generate``, which runs the tool loop),
 ``environment`` (the wrapper's own time in reset and tools), ``reward``, ``score`` and
@@ -205,7 +207,6 @@ def main() -> None:
     ap.add_argument("--generations", type=int, default=4)
     ap.add_argument("--budget", type=int, default=2048, help="max_completion_length")
     ap.add_argument("--micro", type=int, default=8, help="per_device_train_batch_size")
-    ap.add_argument("--turn-tokens", type=int, default=128, help="max_new_tokens of each turn")
     ap.add_argument("--bf16", action="store_true")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -256,7 +257,8 @@ def main() -> None:
             max_steps=args.steps, num_iterations=1, logging_steps=1, save_strategy="no",
             report_to="none", dataloader_num_workers=0, seed=0,
             max_tool_calling_iterations=int(spec["max_turns"]) - 1,
-            generation_kwargs={"stop_strings": [STOP], "max_new_tokens": args.turn_tokens})
+            generation_kwargs={"stop_strings": [STOP],
+                               "max_new_tokens": int(spec["max_action_tokens"])})
         from peft import LoraConfig
 
         lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, bias="none",

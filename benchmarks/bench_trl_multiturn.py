@@ -17,7 +17,7 @@ re-prefilled), per-turn action limit ``rollout.max_action_tokens`` (the smoke's 
 of truncated episodes, every contract on. TRL: ``benchmarks/trl_env_step.py`` in
 ``.bench-venv`` — a thin wrapper (``TerminalTools``) that imports closedloop's terminal
 environment and verifier there and exposes each tool as a method; each TRL turn stops at
-``</tool_call>`` within the same 128-token limit (given to TRL's ``generate``), and
+``</tool_call>`` within the run's per-turn limit (given to TRL's ``generate``), and
 ``max_completion_length`` (``--trl-budget``) bounds the whole multi-turn completion, tool
 results included. TRL re-prefills the whole context every turn, has no censoring (an episode
 that ends without ``finish`` scores 0), cannot let the environment end an episode (after
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         if not args.sft_adapter:
             ap.error("--quick needs --sft-adapter DIR: a warm start small enough for a size check "
                      "leaves every episode censored, and the run stops as unscorable")
-        args.steps, args.tasks, args.group, args.trl_micro = 1, 2, 2, 4
+        args.steps, args.tasks, args.group = 1, 2, 2
     set_threads(args.threads)
     print(f"[multiturn] machine: {machine_label()}")
     if args.precision == "bfloat16" and resolve_precision("auto").precision != "bfloat16":

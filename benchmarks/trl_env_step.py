@@ -82,7 +82,8 @@ def stop_at_tool_call(tokenizer: Any) -> None:
     the assistant message by appending the tool response after EOS). closedloop stops a turn at
     ``</tool_call>`` and its template closes the message with ``<|im_end|>``; here generate
     stops at the same string, and one column of the pad id (``<|im_end|>``, the id finished
-    rows are already padded with) is appended, so the row that stopped last is closed too.
+    rows are already padded with) is appended, so the row that stopped last is closed too (a row
+cut by the turn limit also gets it: TRL would otherwise read no end of turn at all).
     """
     import torch
     from transformers.generation.utils import GenerationMixin
@@ -123,6 +124,7 @@ class TerminalTools:
 
     def _step(self, name: str, **arguments: Any) -> str:
         from closedloop.contracts import Action
+        from closedloop.contracts.action import RESERVED_NAMES
 
         t0 = time.perf_counter()
         try:
@@ -130,9 +132,7 @@ class TerminalTools:
             if self._done:
                 self._stats["calls_after_end"] += 1
                 return '{"error": "episode_over"}'
-            kind = {"finish": Action.finish, "abstain": Action.abstain}.get(name)
-            action = kind(**arguments) if kind else Action.tool(name, **arguments)
-            tr = self._env.step(action)
+            tr = self._env.step(Action(RESERVED_NAMES.get(name, "tool"), name, dict(arguments)))
             self._done = tr.done
             self._stats["finished"] = tr.done
             return tr.observation

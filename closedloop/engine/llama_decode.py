@@ -152,18 +152,46 @@ class LlamaDecodeCopy:
             return fresh("ln1" if module is block.input_layernorm else "ln2", [module],
                          lambda: module.weight.detach().clone())
 
+        def merged(field: str, modules: list[Any]) -> torch.Tensor:
+            current = getattr(prev, field) if prev else None
+            return fresh(field, modules, lambda: self._merged_t(modules, current))
+
         return _Layer(
             ln1=norm(block.input_layernorm),
-            qkv_t=fresh("qkv_t", qkv_mods, lambda: self._w_t(
-                torch.cat([effective_weight(m) for m in qkv_mods]))),
+            qkv_t=merged("qkv_t", qkv_mods),
             qkv_b=None if biases[0] is None else torch.cat(biases),  # type: ignore[arg-type]
-            o_t=fresh("o_t", [att.o_proj], lambda: self._w_t(effective_weight(att.o_proj))),
+            o_t=merged("o_t", [att.o_proj]),
             o_b=_bias(att.o_proj),
             ln2=norm(block.post_attention_layernorm),
-            gate_up_t=fresh("gate_up_t", [mlp.gate_proj, mlp.up_proj], lambda: self._w_t(
-                torch.cat([effective_weight(mlp.gate_proj), effective_weight(mlp.up_proj)]))),
-            down_t=fresh("down_t", [mlp.down_proj],
-                         lambda: self._w_t(effective_weight(mlp.down_proj))))
+            gate_up_t=merged("gate_up_t", [mlp.gate_proj, mlp.up_proj]),
+            down_t=merged("down_t", [mlp.down_proj]))
+
+    def _merged_t(self, modules: list[Any], current: torch.Tensor | None) -> torch.Tensor:
+        """The product layout (``_w_t``) of the modules' merged weights stacked along ``out``.
+
+        In float32 over plain LoRA (``_factors``) it is written into ``current``'s storage when
+        the shape allows: ``W'^T = W^T + s A^T B^T``, a transposing copy and one ``addmm_`` per
+        module, with no temporaries (a re-sync after every publication rewrites every adapted
+        block; building ``B A``, ``W + s B A``, the stack and its transpose as new tensors
+        streamed each block's weights four more times).
+        """
+        factors = [_factors(m) for m in modules]
+        if self.wdtype is not torch.float32 or any(f is None for f in factors):
+            return self._w_t(torch.cat([effective_weight(m) for m in modules]))
+        widths = [int(_base(m).weight.shape[0]) for m in modules]
+        shape = (int(_base(modules[0]).weight.shape[1]), sum(widths))
+        out = (current if current is not None and tuple(current.shape) == shape
+               and current.dtype is torch.float32 and current.is_contiguous()
+               else torch.empty(shape, dtype=torch.float32,
+                                device=_base(modules[0]).weight.device))
+        col = 0
+        for module, width, pairs in zip(modules, widths, factors, strict=True):
+            block = out[:, col:col + width]
+            block.copy_(_base(module).weight.detach().t())
+            for a_r_in, b_out_r, scale in pairs or ():
+                block.addmm_(a_r_in.t(), b_out_r.t(), alpha=scale)
+            col += width
+        return out
 
     def _fresh(self, name: str, modules: list[Any], current: torch.Tensor | None,
                build: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -260,6 +288,35 @@ def onednn_bf16_packing() -> bool:
     return bool(torch.backends.mkldnn.is_available()
                 and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
                 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def _base(module: Any) -> nn.Linear:
+    """The ``nn.Linear`` a module applies (itself, or a LoRA wrapper's base layer)."""
+    return module if isinstance(module, nn.Linear) else module.base_layer
+
+
+def _factors(module: Any) -> list[tuple[torch.Tensor, torch.Tensor, float]] | None:
+    """``[(A [r, in], B [out, r], s)]`` of the active adapters a module adds to its base weight
+    (``[]`` for a Linear, or adapters disabled or merged), all float32; ``None`` when the delta
+    is not that product (fan-in-fan-out storage, another factor type or dtype): then
+    ``effective_weight`` (peft's ``get_delta_weight``) builds it."""
+    if isinstance(module, nn.Linear):
+        return [] if module.weight.dtype is torch.float32 else None
+    base = module.base_layer
+    if base.weight.dtype is not torch.float32 or getattr(module, "fan_in_fan_out", False):
+        return None
+    if getattr(module, "disable_adapters", False) or getattr(module, "merged", False):
+        return []
+    out = []
+    for name in module.active_adapters:
+        if name not in module.lora_A:
+            continue
+        a, b = module.lora_A[name], module.lora_B[name]
+        if not (isinstance(a, nn.Linear) and isinstance(b, nn.Linear)) \
+                or a.weight.dtype is not torch.float32 or b.weight.dtype is not torch.float32:
+            return None
+        out.append((a.weight.detach(), b.weight.detach(), float(module.scaling[name])))
+    return out
 
 
 def _state_key(module: Any) -> tuple[Any, ...]:

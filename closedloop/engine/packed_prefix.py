@@ -4,7 +4,7 @@
 ``N = sum_u p_u + sum_s n_s`` tokens: every distinct prefix once (``u = 0..U-1``, ``p_u`` ids),
 then every row's suffix (``s = 0..S-1``, ``n_s`` ids), with explicit positions (``0..p_u-1`` for
 a prefix, ``p_s..p_s+n_s-1`` for a suffix). The projections, MLPs and norms run on the ``N``
-real tokens only; only attention is computed on a padded view, which is cheap beside them.
+real tokens only; attention runs on gathered views.
 
 Attention is the one part that must see the grouping. ``packed_attention`` is registered with
 transformers' ``AttentionInterface`` and is switched on for the duration of one call
@@ -12,13 +12,16 @@ transformers' ``AttentionInterface`` and is switched on for the duration of one 
 
 - the prefixes, right-padded to ``L = max p_u``: ``[U, H, L, D]``, causal (a real query sees
   only real keys, since the padding is on the right);
-- the suffixes, right-padded to ``Ls = max n_s``: queries ``[S, H, Ls, D]`` against the keys of
-  their own prefix (``L`` slots, those ``>= p_u`` masked) followed by their own suffix (causal);
+- the suffixes, bucketed by shape ``(p, n)`` (their prefix's length, their own): queries
+  ``[R, H, n, D]`` against the ``p + n`` keys of their own prefix followed by their own suffix,
+  causal bottom-right aligned. No suffix is padded, so a row's attention costs ``n (p + n)``
+  whatever its siblings' lengths (padding every suffix to the longest cost the multi-turn
+  batches ~40% of their suffix attention, forward and backward);
 
-runs torch's ``scaled_dot_product_attention`` on both (for a model set to ``sdpa`` or ``eager``,
-which compute the same function), and scatters the real rows back to packed order. Pad slots are
-gathered from a real token of the same segment, so every value is finite; every query row sees at
-least one real key (its prefix has ``p >= 1``), so no softmax row is empty. The gathers are
+runs torch's ``scaled_dot_product_attention`` on each (for a model set to ``sdpa`` or ``eager``,
+which compute the same function), and scatters the real rows back to packed order. Prefix pad
+slots are gathered from a real token of the same prefix, so every value is finite; every query
+sees at least one real key (its prefix has ``p >= 1``), so no softmax row is empty. The gathers are
 ``index_select`` (their backward sums the siblings' cotangents into their shared prefix keys and
 values). The result equals the unshared ``sequence_logprobs`` up to floating-point summation
 order.
@@ -38,19 +41,31 @@ SUPPORTED_ATTENTION = ("sdpa", "eager")
 
 
 @dataclass(frozen=True)
-class PackedLayout:
-    """Index maps between the packed row and the padded prefix/suffix views (module doc).
+class SuffixBucket:
+    """The suffixes of one shape: ``R`` rows of ``n`` ids whose prefixes have ``p`` ids.
 
-    ``pre_idx_U_L`` / ``suf_q_idx_S_Ls``: packed index of each padded prefix / suffix slot;
-    ``suf_kv_idx_S_K``: packed index of each key a suffix row attends to (``K = L + Ls``);
-    ``suf_mask_S_Ls_K``: which keys each padded suffix query sees (bool; the prefixes are causal);
-    ``out_idx_N``: for packed token ``i``, its row in ``cat(prefix out [U*L], suffix out [S*Ls])``.
+    ``q_idx_R_n``: packed index of each query; ``kv_idx_R_K``: packed index of each key it
+    attends to (``K = p + n``: its own prefix, then its own suffix); ``mask_n_K``: which keys
+    query ``i`` sees (every prefix key and suffix keys ``<= i``: causal, bottom-right aligned).
+    """
+
+    q_idx_R_n: torch.Tensor
+    kv_idx_R_K: torch.Tensor
+    mask_n_K: torch.Tensor
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """Index maps between the packed row and the attention views (module doc).
+
+    ``pre_idx_U_L``: packed index of each padded prefix slot (the prefixes are causal);
+    ``buckets``: the suffixes grouped by shape (``SuffixBucket``: no padding);
+    ``out_idx_N``: for packed token ``i``, its row in ``cat(prefix out [U*L], each bucket's out
+    [R*n] in order)``.
     """
 
     pre_idx_U_L: torch.Tensor
-    suf_q_idx_S_Ls: torch.Tensor
-    suf_kv_idx_S_K: torch.Tensor
-    suf_mask_S_Ls_K: torch.Tensor
+    buckets: tuple[SuffixBucket, ...]
     out_idx_N: torch.Tensor
     ids_N: torch.Tensor
     positions_N: torch.Tensor
@@ -62,35 +77,49 @@ def packed_layout(pre_ids_U_L: torch.Tensor, pre_len_U: torch.Tensor, suf_ids_S_
                   suf_len_S: torch.Tensor, inv_S: torch.Tensor) -> PackedLayout:
     """Build the layout from right-padded prefixes/suffixes and ``inv_S`` (row -> its prefix).
 
-    Every ``p_u`` and ``n_s`` must be >= 1.
+    Every ``p_u`` and ``n_s`` must be >= 1. Suffixes are bucketed by ``(p, n)``, so the
+    attention of a suffix row spends nothing on another row's padding: its cost is
+    ``n (p + n)``, not ``max n (max p + max n)`` (siblings of one prompt differ in length,
+    multi-turn episodes by hundreds of ids).
     """
     device = pre_ids_U_L.device
     u_count, length = pre_ids_U_L.shape
-    s_count, s_len = suf_ids_S_Ls.shape
     ar_L = torch.arange(length, device=device)
-    ar_Ls = torch.arange(s_len, device=device)
+    ar_Ls = torch.arange(suf_ids_S_Ls.shape[1], device=device)
     pre_real_U_L = ar_L[None, :] < pre_len_U[:, None]
     suf_real_S_Ls = ar_Ls[None, :] < suf_len_S[:, None]
     pre_start_U = torch.cumsum(pre_len_U, 0) - pre_len_U
     n_pre = int(pre_len_U.sum())
     suf_start_S = n_pre + torch.cumsum(suf_len_S, 0) - suf_len_S
     pre_idx_U_L = pre_start_U[:, None] + torch.minimum(ar_L[None, :], pre_len_U[:, None] - 1)
-    suf_q_idx_S_Ls = suf_start_S[:, None] + torch.minimum(ar_Ls[None, :], suf_len_S[:, None] - 1)
-    suf_kv_idx_S_K = torch.cat([pre_idx_U_L.index_select(0, inv_S), suf_q_idx_S_Ls], dim=1)
-    causal_Ls_Ls = ar_Ls[:, None] >= ar_Ls[None, :]
-    suf_mask_S_Ls_K = torch.cat([pre_real_U_L.index_select(0, inv_S)[:, None, :]
-                                 .expand(s_count, s_len, length),
-                                 causal_Ls_Ls[None].expand(s_count, s_len, s_len)], dim=2)
+    p_S, n_S, start_S = (pre_len_U.index_select(0, inv_S).tolist(), suf_len_S.tolist(),
+                         suf_start_S.tolist())
+    pre_start = pre_start_U.index_select(0, inv_S).tolist()
+    shapes: dict[tuple[int, int], list[int]] = {}
+    for s, key in enumerate(zip(p_S, n_S, strict=True)):
+        shapes.setdefault(key, []).append(s)
+    buckets, suf_out_S = [], [0] * len(n_S)
+    offset = u_count * length
+    for (p, n), rows in shapes.items():
+        q = torch.tensor([start_S[s] for s in rows], device=device)[:, None] + ar_Ls[None, :n]
+        pre = (torch.tensor([pre_start[s] for s in rows], device=device)[:, None]
+               + ar_L[None, :p])
+        key_K = torch.arange(p + n, device=device)
+        buckets.append(SuffixBucket(q, torch.cat([pre, q], dim=1),
+                                    key_K[None, :] <= p + ar_Ls[:n, None]))
+        for r, s in enumerate(rows):
+            suf_out_S[s] = offset + r * n
+        offset += len(rows) * n
+    suf_out_S_Ls = torch.tensor(suf_out_S, device=device)[:, None] + ar_Ls[None, :]
     out_idx_N = torch.cat([
         (torch.arange(u_count, device=device)[:, None] * length + ar_L[None, :])[pre_real_U_L],
-        (u_count * length + torch.arange(s_count, device=device)[:, None] * s_len
-         + ar_Ls[None, :])[suf_real_S_Ls]])
+        suf_out_S_Ls[suf_real_S_Ls]])
     ids_N = torch.cat([pre_ids_U_L[pre_real_U_L], suf_ids_S_Ls[suf_real_S_Ls]])
-    pre_len_S = pre_len_U.index_select(0, inv_S)
     positions_N = torch.cat([ar_L[None, :].expand(u_count, -1)[pre_real_U_L],
-                             (pre_len_S[:, None] + ar_Ls[None, :])[suf_real_S_Ls]])
-    return PackedLayout(pre_idx_U_L, suf_q_idx_S_Ls, suf_kv_idx_S_K, suf_mask_S_Ls_K, out_idx_N,
-                        ids_N, positions_N, pre_start_U, suf_start_S)
+                             (torch.tensor(p_S, device=device)[:, None]
+                              + ar_Ls[None, :])[suf_real_S_Ls]])
+    return PackedLayout(pre_idx_U_L, tuple(buckets), out_idx_N, ids_N, positions_N,
+                        pre_start_U, suf_start_S)
 
 
 def packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -98,10 +127,10 @@ def packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
                      **kwargs: Any) -> tuple[torch.Tensor, None]:
     """Attention over the packed row ``[1, H, N, D]`` -> ``[1, N, H, D]`` (module doc).
 
-    ``kwargs`` carries ``closedloop_layout`` (a ``PackedLayout``). Both padded views go through
+    ``kwargs`` carries ``closedloop_layout`` (a ``PackedLayout``). Every view goes through
     ``torch.nn.functional.scaled_dot_product_attention`` with grouped-query heads left grouped
     (``enable_gqa``: no key/value copy per query head): the prefixes with ``is_causal`` (under
-    right padding a real query only sees real keys), the suffixes with their boolean mask.
+    right padding a real query only sees real keys), each suffix bucket with its mask.
     """
     layout: PackedLayout = kwargs["closedloop_layout"]
     q_H_N_D, k_H_N_D, v_H_N_D = query[0], key[0], value[0]
@@ -113,15 +142,14 @@ def packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
         return picked.view(t_H_N_D.shape[0], rows, cols, -1).transpose(0, 1)
 
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    pre_out = sdpa(view(q_H_N_D, layout.pre_idx_U_L), view(k_H_N_D, layout.pre_idx_U_L),
-                   view(v_H_N_D, layout.pre_idx_U_L), dropout_p=dropout, is_causal=True,
-                   scale=scaling, enable_gqa=gqa)
-    suf_out = sdpa(view(q_H_N_D, layout.suf_q_idx_S_Ls), view(k_H_N_D, layout.suf_kv_idx_S_K),
-                   view(v_H_N_D, layout.suf_kv_idx_S_K), attn_mask=layout.suf_mask_S_Ls_K[:, None],
-                   dropout_p=dropout, scale=scaling, enable_gqa=gqa)
-    heads, dim = pre_out.shape[1], pre_out.shape[-1]
-    both = torch.cat([pre_out.transpose(1, 2).reshape(-1, heads, dim),
-                      suf_out.transpose(1, 2).reshape(-1, heads, dim)])
+    outs = [sdpa(view(q_H_N_D, layout.pre_idx_U_L), view(k_H_N_D, layout.pre_idx_U_L),
+                 view(v_H_N_D, layout.pre_idx_U_L), dropout_p=dropout, is_causal=True,
+                 scale=scaling, enable_gqa=gqa)]
+    outs += [sdpa(view(q_H_N_D, b.q_idx_R_n), view(k_H_N_D, b.kv_idx_R_K),
+                  view(v_H_N_D, b.kv_idx_R_K), attn_mask=b.mask_n_K, dropout_p=dropout,
+                  scale=scaling, enable_gqa=gqa) for b in layout.buckets]
+    heads, dim = outs[0].shape[1], outs[0].shape[-1]
+    both = torch.cat([o.transpose(1, 2).reshape(-1, heads, dim) for o in outs])
     return both.index_select(0, layout.out_idx_N)[None], None
 
 

@@ -63,12 +63,13 @@ def test_sync_rebuilds_only_what_changed(tokenizer):
     copy = LlamaDecodeCopy(model)
     rows = [[5, 17, 300, 41], [88, 3, 2, 1]]
     mlp, qkv = copy.layers[0].gate_up_t, copy.layers[0].qkv_t
+    mlp_version, qkv_before = mlp._version, qkv.clone()
     before = _run(copy, rows, [])[0]
     _perturb(model, seed=7, scale=0.3)
     assert torch.equal(_run(copy, rows, [])[0], before)  # not published yet
     copy.sync()
-    assert copy.layers[0].gate_up_t is mlp  # no adapter on the MLP: kept
-    assert copy.layers[0].qkv_t is not qkv
+    assert copy.layers[0].gate_up_t is mlp and mlp._version == mlp_version  # no adapter: kept
+    assert not torch.equal(copy.layers[0].qkv_t, qkv_before)  # rewritten (in place, fp32)
     assert float((_run(copy, rows, [])[0] - _policy_last_logits(model, rows)).abs().max()) < 1e-4
     with torch.no_grad():  # a base weight moves in place (full fine-tuning): seen
         model.get_base_model().model.layers[1].mlp.down_proj.weight.mul_(1.5)
@@ -79,6 +80,28 @@ def test_sync_rebuilds_only_what_changed(tokenizer):
     model.load_state_dict(state, strict=False)  # a checkpoint restore is seen too
     copy.sync()
     assert float((_run(copy, rows, [])[0] - _policy_last_logits(model, rows)).abs().max()) < 1e-4
+
+
+def test_merged_weights_are_peft_merge_rewritten_in_place(tokenizer):
+    # The fp32 re-sync writes W^T + s A^T B^T into the copy's own buffers: the same matrices
+    # as peft's merge (W + s B A, stacked, transposed) to fp32 rounding of an r-term sum.
+    from closedloop.engine.decode_copy import effective_weight
+
+    model = _lora(tokenizer)
+    copy = LlamaDecodeCopy(model)
+    buffers = [(layer.qkv_t, layer.gate_up_t) for layer in copy.layers]
+    for seed in (3, 4):
+        _perturb(model, seed=seed, scale=0.3)
+        copy.sync()
+        for layer, block, (qkv, gate_up) in zip(copy.layers, model.get_base_model().model.layers,
+                                                buffers, strict=True):
+            att, mlp = block.self_attn, block.mlp
+            want = torch.cat([effective_weight(m) for m in (att.q_proj, att.k_proj,
+                                                           att.v_proj)]).t()
+            torch.testing.assert_close(layer.qkv_t, want, rtol=1e-6, atol=1e-6)
+            assert layer.qkv_t is qkv and layer.gate_up_t is gate_up  # no new allocation
+            want = torch.cat([effective_weight(mlp.gate_proj), effective_weight(mlp.up_proj)]).t()
+            torch.testing.assert_close(layer.gate_up_t, want, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])

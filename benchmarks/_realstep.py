@@ -98,7 +98,12 @@ class RealStep:
                        "checkpoint": _Timed(trainer, "checkpoint"),
                        "stage": _Timed(publisher, "stage"),
                        "prove": _Timed(worker, "prove"),
-                       "acknowledge": _Timed(publisher, "acknowledge")}
+                       "acknowledge": _Timed(publisher, "acknowledge"),
+                       # parts of the proof (inside "prove"/"acknowledge", not added again)
+                       "decode sync": _Timed(worker.generator, "refresh_weights"),
+                       "probe sample": _Timed(worker.generator, "generate")}
+        if publisher.reference is not None:
+            self.timers["probe reference"] = _Timed(publisher.reference, "logprobs")
         self.setup_s = time.perf_counter() - t0
         self.next_step = 0
 
@@ -138,12 +143,16 @@ class RealStep:
             "sampler, ledger marks, trainer checksum": secs.get("publish_s", 0.0)
             - timers["checkpoint"] - timers["stage"] - timers["prove"] - timers["acknowledge"],
         }
+        proof_parts = {"decode copy re-merge": timers["decode sync"],
+                       "probe sample": timers["probe sample"],
+                       "trainer's reference": timers.get("probe reference", 0.0)}
         bookkeeping = wall - generation - environment - update
         action_tokens = sum(len(t.action_token_ids) for e in episodes for t in e.turns)
         observation_tokens = sum(len(t.prompt_token_ids) for e in episodes for t in e.turns
                                  if t.turn > 0)
         return {"wall": wall, "generation": generation, "environment": environment,
                 "update": update, "bookkeeping": bookkeeping, "items": items,
+                "proof_parts": proof_parts,
                 "episodes": len(episodes), "turns": sum(len(e.turns) for e in episodes),
                 "action_tokens": action_tokens, "observation_tokens": observation_tokens,
                 "trained_episodes": len(self.trained), "trained_tokens": sum(self.trained),
@@ -167,7 +176,11 @@ def share_line(parts: dict[str, Any]) -> str:
 
 
 def items_line(parts: dict[str, Any]) -> str:
-    """The bookkeeping items, largest first, with their share of the wall time."""
+    """The bookkeeping items, largest first, with their share of the wall time; then the
+    replica proof's parts (the generator's decode-copy re-merge, the probe it samples, the
+    trainer's reference)."""
     wall = parts["wall"]
-    return "; ".join(f"{k} {v:.3f}s ({100 * v / wall:.1f}%)" for k, v in
+    line = "; ".join(f"{k} {v:.3f}s ({100 * v / wall:.1f}%)" for k, v in
                      sorted(parts["items"].items(), key=lambda kv: -kv[1]))
+    return line + " [the proof's parts: " + ", ".join(
+        f"{k} {v:.3f}s" for k, v in parts["proof_parts"].items()) + "]"

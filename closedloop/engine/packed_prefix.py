@@ -12,15 +12,16 @@ transformers' ``AttentionInterface`` and is switched on for the duration of one 
 
 - the prefixes, right-padded to ``L = max p_u``: ``[U, H, L, D]``, causal (a real query sees
   only real keys, since the padding is on the right);
-- the suffixes, bucketed by shape ``(p, n)`` (their prefix's length, their own): queries
-  ``[R, H, n, D]`` against the ``p + n`` keys of their own prefix followed by their own suffix,
-  causal bottom-right aligned. No suffix is padded, so a row's attention costs ``n (p + n)``
-  whatever its siblings' lengths (padding every suffix to the longest cost the multi-turn
-  batches ~40% of their suffix attention, forward and backward);
+- the suffixes in buckets (``suffix_buckets``: rows of one shape together, a short row joining
+  others when padding it costs less than a call): queries ``[R, H, n, D]`` against the keys
+  of their own prefix (``p`` slots, those past the row's own prefix masked) followed by their
+  own suffix (causal). A row's attention then costs about ``n (p + n)`` whatever its siblings'
+  lengths (padding every suffix of a micro-batch to the longest cost the multi-turn batches
+  ~40% of their suffix attention, forward and backward);
 
 runs torch's ``scaled_dot_product_attention`` on each (for a model set to ``sdpa`` or ``eager``,
-which compute the same function), and scatters the real rows back to packed order. Prefix pad
-slots are gathered from a real token of the same prefix, so every value is finite; every query
+which compute the same function), and scatters the real rows back to packed order. Pad slots
+are gathered from a real token of the same segment, so every value is finite; every query
 sees at least one real key (its prefix has ``p >= 1``), so no softmax row is empty. The gathers are
 ``index_select`` (their backward sums the siblings' cotangents into their shared prefix keys and
 values). The result equals the unshared ``sequence_logprobs`` up to floating-point summation
@@ -42,16 +43,51 @@ SUPPORTED_ATTENTION = ("sdpa", "eager")
 
 @dataclass(frozen=True)
 class SuffixBucket:
-    """The suffixes of one shape: ``R`` rows of ``n`` ids whose prefixes have ``p`` ids.
+    """Suffix rows attended in one call, padded to the bucket's longest prefix ``p`` and suffix
+    ``n`` (rows of one shape need no padding; ``suffix_buckets`` decides).
 
-    ``q_idx_R_n``: packed index of each query; ``kv_idx_R_K``: packed index of each key it
-    attends to (``K = p + n``: its own prefix, then its own suffix); ``mask_n_K``: which keys
-    query ``i`` sees (every prefix key and suffix keys ``<= i``: causal, bottom-right aligned).
+    ``q_idx_R_n``: packed index of each query slot; ``kv_idx_R_K``: packed index of each key it
+    attends to (``K = p + n``: its own prefix's slots, then its own suffix's); ``mask_R_n_K``:
+    which keys a query sees (its prefix's real keys, and suffix keys up to its own position).
+    Pad slots are gathered from a real token of the same segment.
     """
 
     q_idx_R_n: torch.Tensor
     kv_idx_R_K: torch.Tensor
-    mask_n_K: torch.Tensor
+    mask_R_n_K: torch.Tensor
+
+
+WASTE_PAIRS = 4096
+"""Padded query-key pairs a bucket may add to save an attention call (~0.4 ms of call overhead
+against ~0.12 us a pair on a 2-core CPU, forward and backward: short single-turn replies share
+a call; multi-turn episodes, hundreds of ids apart, do not)."""
+WASTE_SHARE = 0.05
+"""... or this share of the bucket's real pairs, whichever is larger."""
+
+
+def suffix_buckets(p_S: list[int], n_S: list[int]) -> list[list[int]]:
+    """Suffix rows grouped for attention, each group padded to its longest ``p`` and ``n``.
+
+    Rows in order of ``(n, p)``; a row joins the current group while the group's padded work
+    ``R max n (max p + max n)`` exceeds its real work ``sum n (p + n)`` by at most
+    ``max(WASTE_PAIRS, WASTE_SHARE * real)`` query-key pairs, else starts a new group.
+    """
+    order = sorted(range(len(n_S)), key=lambda s: (n_S[s], p_S[s]))
+    groups: list[list[int]] = []
+    real = 0
+    for s in order:
+        cost = n_S[s] * (p_S[s] + n_S[s])
+        if groups:
+            rows = groups[-1] + [s]
+            p, n = max(p_S[r] for r in rows), max(n_S[r] for r in rows)
+            waste = len(rows) * n * (p + n) - (real + cost)
+            if waste <= max(WASTE_PAIRS, WASTE_SHARE * (real + cost)):
+                groups[-1].append(s)
+                real += cost
+                continue
+        groups.append([s])
+        real = cost
+    return groups
 
 
 @dataclass(frozen=True)
@@ -59,7 +95,7 @@ class PackedLayout:
     """Index maps between the packed row and the attention views (module doc).
 
     ``pre_idx_U_L``: packed index of each padded prefix slot (the prefixes are causal);
-    ``buckets``: the suffixes grouped by shape (``SuffixBucket``: no padding);
+    ``buckets``: the suffixes grouped for attention (``SuffixBucket``, ``suffix_buckets``);
     ``out_idx_N``: for packed token ``i``, its row in ``cat(prefix out [U*L], each bucket's out
     [R*n] in order)``.
     """
@@ -77,10 +113,10 @@ def packed_layout(pre_ids_U_L: torch.Tensor, pre_len_U: torch.Tensor, suf_ids_S_
                   suf_len_S: torch.Tensor, inv_S: torch.Tensor) -> PackedLayout:
     """Build the layout from right-padded prefixes/suffixes and ``inv_S`` (row -> its prefix).
 
-    Every ``p_u`` and ``n_s`` must be >= 1. Suffixes are bucketed by ``(p, n)``, so the
-    attention of a suffix row spends nothing on another row's padding: its cost is
-    ``n (p + n)``, not ``max n (max p + max n)`` (siblings of one prompt differ in length,
-    multi-turn episodes by hundreds of ids).
+    Every ``p_u`` and ``n_s`` must be >= 1. Suffixes are attended in ``suffix_buckets``, so a
+    row's attention costs about ``n (p + n)`` query-key pairs, not ``max n (max p + max n)``
+    over every row (siblings of one prompt differ in length, multi-turn episodes by hundreds of
+    ids).
     """
     device = pre_ids_U_L.device
     u_count, length = pre_ids_U_L.shape
@@ -92,21 +128,20 @@ def packed_layout(pre_ids_U_L: torch.Tensor, pre_len_U: torch.Tensor, suf_ids_S_
     n_pre = int(pre_len_U.sum())
     suf_start_S = n_pre + torch.cumsum(suf_len_S, 0) - suf_len_S
     pre_idx_U_L = pre_start_U[:, None] + torch.minimum(ar_L[None, :], pre_len_U[:, None] - 1)
-    p_S, n_S, start_S = (pre_len_U.index_select(0, inv_S).tolist(), suf_len_S.tolist(),
-                         suf_start_S.tolist())
-    pre_start = pre_start_U.index_select(0, inv_S).tolist()
-    shapes: dict[tuple[int, int], list[int]] = {}
-    for s, key in enumerate(zip(p_S, n_S, strict=True)):
-        shapes.setdefault(key, []).append(s)
+    p_S, n_S = pre_len_U.index_select(0, inv_S).tolist(), suf_len_S.tolist()
+    pre_start_S = pre_start_U.index_select(0, inv_S)
     buckets, suf_out_S = [], [0] * len(n_S)
     offset = u_count * length
-    for (p, n), rows in shapes.items():
-        q = torch.tensor([start_S[s] for s in rows], device=device)[:, None] + ar_Ls[None, :n]
-        pre = (torch.tensor([pre_start[s] for s in rows], device=device)[:, None]
-               + ar_L[None, :p])
-        key_K = torch.arange(p + n, device=device)
-        buckets.append(SuffixBucket(q, torch.cat([pre, q], dim=1),
-                                    key_K[None, :] <= p + ar_Ls[:n, None]))
+    for rows in suffix_buckets(p_S, n_S):
+        idx = torch.tensor(rows, device=device)
+        p, n = max(p_S[s] for s in rows), max(n_S[s] for s in rows)
+        p_R, n_R = pre_len_U.index_select(0, inv_S)[idx], suf_len_S[idx]
+        q = suf_start_S[idx][:, None] + torch.minimum(ar_Ls[None, :n], n_R[:, None] - 1)
+        pre = pre_start_S[idx][:, None] + torch.minimum(ar_L[None, :p], p_R[:, None] - 1)
+        mask = torch.cat([(ar_L[None, :p] < p_R[:, None])[:, None, :].expand(-1, n, -1),
+                          (ar_Ls[:n, None] >= ar_Ls[None, :n])[None].expand(len(rows), -1, -1)],
+                         dim=2)
+        buckets.append(SuffixBucket(q, torch.cat([pre, q], dim=1), mask))
         for r, s in enumerate(rows):
             suf_out_S[s] = offset + r * n
         offset += len(rows) * n
@@ -146,7 +181,8 @@ def packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
                  view(v_H_N_D, layout.pre_idx_U_L), dropout_p=dropout, is_causal=True,
                  scale=scaling, enable_gqa=gqa)]
     outs += [sdpa(view(q_H_N_D, b.q_idx_R_n), view(k_H_N_D, b.kv_idx_R_K),
-                  view(v_H_N_D, b.kv_idx_R_K), attn_mask=b.mask_n_K, dropout_p=dropout,
+                  view(v_H_N_D, b.kv_idx_R_K), attn_mask=b.mask_R_n_K[:, None],
+                  dropout_p=dropout,
                   scale=scaling, enable_gqa=gqa) for b in layout.buckets]
     heads, dim = outs[0].shape[1], outs[0].shape[-1]
     both = torch.cat([o.transpose(1, 2).reshape(-1, heads, dim) for o in outs])

@@ -1,6 +1,8 @@
 """Shared-prefix log-probs equal the unshared ones (values, LoRA gradients, reference pass),
 on the packed one-call layout, with the sdpa and the eager attention."""
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -14,6 +16,7 @@ from closedloop.engine import (
     shared_prefix_logprobs,
 )
 from closedloop.engine.logprobs import _decoder_and_head
+from closedloop.engine.packed_prefix import suffix_buckets
 from closedloop.policy import attach_lora, build_tiny_model
 
 PROMPT_LENS = (7, 11, 9)  # three groups of four siblings; then one row with its own prompt
@@ -241,11 +244,15 @@ def test_packed_call_restores_the_attention_implementation(model, monkeypatch):
                                    rtol=1e-5, atol=1e-5)
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=16, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 9), st.lists(st.integers(1, 7), min_size=1, max_size=4)),
-                min_size=1, max_size=4), st.integers(0, 2**16))
-def test_packed_layout_equals_the_unshared_path_for_any_grouping(model, groups, seed):
+                min_size=1, max_size=4), st.integers(0, 2**16),
+       st.sampled_from([(0, 0.0), (0, 0.5), (4096, 0.05)]))
+def test_packed_layout_equals_the_unshared_path_for_any_grouping(model, groups, seed, waste):
     # groups: (prompt length, suffix lengths of its rows); every suffix token is a target.
+    # waste: the bucketing's slack: none (a bucket per shape), some, the default (one bucket).
+    from closedloop.engine import packed_prefix
+
     g = torch.Generator().manual_seed(seed)
     rows = []
     for plen, suffixes in groups:
@@ -261,5 +268,58 @@ def test_packed_layout_equals_the_unshared_path_for_any_grouping(model, groups, 
         target[i, len(p) - 1:len(p) + len(s) - 1] = 1
     with torch.no_grad():
         want = sequence_logprobs(model, ids, mask, target)
-        got = shared_prefix_logprobs(model, ids, mask, target)
+        with _waste(packed_prefix, *waste):
+            got = shared_prefix_logprobs(model, ids, mask, target)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@contextmanager
+def _waste(module, pairs, share):
+    saved = module.WASTE_PAIRS, module.WASTE_SHARE
+    module.WASTE_PAIRS, module.WASTE_SHARE = pairs, share
+    try:
+        yield
+    finally:
+        module.WASTE_PAIRS, module.WASTE_SHARE = saved
+
+
+@pytest.mark.parametrize("waste", [(0, 0.0), (0, 0.5), (4096, 0.05)],
+                         ids=["per-shape", "some-padding", "default"])
+def test_bucketed_suffix_gradients_equal_the_unshared_path(model, waste):
+    # Siblings of very different lengths over two prompts: per-shape buckets, mixed buckets
+    # (rows of different prefixes and lengths padded together) and the default give the
+    # unshared LoRA gradients.
+    from closedloop.engine import packed_prefix
+
+    g = torch.Generator().manual_seed(5)
+    rows = []
+    for plen, suffixes in ((6, (2, 9, 9, 4)), (3, (1, 7))):
+        prompt = torch.randint(10, 5000, (plen,), generator=g).tolist()
+        rows += [(prompt, torch.randint(10, 5000, (n,), generator=g).tolist()) for n in suffixes]
+    width = max(len(p) + len(s) for p, s in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    target = torch.zeros(len(rows), width - 1)
+    for i, (p, s) in enumerate(rows):
+        ids[i, :len(p) + len(s)] = torch.tensor(p + s)
+        mask[i, :len(p) + len(s)] = 1
+        target[i, len(p) - 1:len(p) + len(s) - 1] = 1
+    params = trainable(model)
+    w = torch.randn(target.shape, generator=g)
+    want = torch.autograd.grad((sequence_logprobs(model, ids, mask, target) * w).sum(), params)
+    with _waste(packed_prefix, *waste):
+        buckets = packed_prefix.suffix_buckets([6] * 4 + [3] * 2, [2, 9, 9, 4, 1, 7])
+        got = torch.autograd.grad((shared_prefix_logprobs(model, ids, mask, target) * w).sum(),
+                                  params)
+    if waste == (0, 0.0):
+        assert sorted(map(len, buckets)) == [1, 1, 1, 1, 2]  # one per shape: (6, 9) twice
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_suffix_buckets_pad_short_rows_together_and_keep_long_ones_apart():
+    # 32-id replies on a 95-id prompt: one call (padding costs less than a call);
+    # multi-turn episodes 200-400 ids long on a 345-id prompt: apart unless nearly equal.
+    assert suffix_buckets([95] * 4, [20, 32, 27, 31]) == [[0, 2, 3, 1]]
+    assert suffix_buckets([345] * 4, [200, 361, 361, 272]) == [[0], [3], [1, 2]]
+    assert suffix_buckets([345] * 3, [300, 301, 400]) == [[0, 1], [2]]

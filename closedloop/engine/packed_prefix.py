@@ -128,14 +128,14 @@ def packed_layout(pre_ids_U_L: torch.Tensor, pre_len_U: torch.Tensor, suf_ids_S_
     n_pre = int(pre_len_U.sum())
     suf_start_S = n_pre + torch.cumsum(suf_len_S, 0) - suf_len_S
     pre_idx_U_L = pre_start_U[:, None] + torch.minimum(ar_L[None, :], pre_len_U[:, None] - 1)
-    p_S, n_S = pre_len_U.index_select(0, inv_S).tolist(), suf_len_S.tolist()
-    pre_start_S = pre_start_U.index_select(0, inv_S)
+    pre_len_S, pre_start_S = pre_len_U.index_select(0, inv_S), pre_start_U.index_select(0, inv_S)
+    p_S, n_S = pre_len_S.tolist(), suf_len_S.tolist()
     buckets, suf_out_S = [], [0] * len(n_S)
     offset = u_count * length
     for rows in suffix_buckets(p_S, n_S):
         idx = torch.tensor(rows, device=device)
         p, n = max(p_S[s] for s in rows), max(n_S[s] for s in rows)
-        p_R, n_R = pre_len_U.index_select(0, inv_S)[idx], suf_len_S[idx]
+        p_R, n_R = pre_len_S[idx], suf_len_S[idx]
         q = suf_start_S[idx][:, None] + torch.minimum(ar_Ls[None, :n], n_R[:, None] - 1)
         pre = pre_start_S[idx][:, None] + torch.minimum(ar_L[None, :p], p_R[:, None] - 1)
         mask = torch.cat([(ar_L[None, :p] < p_R[:, None])[:, None, :].expand(-1, n, -1),
@@ -151,8 +151,7 @@ def packed_layout(pre_ids_U_L: torch.Tensor, pre_len_U: torch.Tensor, suf_ids_S_
         suf_out_S_Ls[suf_real_S_Ls]])
     ids_N = torch.cat([pre_ids_U_L[pre_real_U_L], suf_ids_S_Ls[suf_real_S_Ls]])
     positions_N = torch.cat([ar_L[None, :].expand(u_count, -1)[pre_real_U_L],
-                             (torch.tensor(p_S, device=device)[:, None]
-                              + ar_Ls[None, :])[suf_real_S_Ls]])
+                             (pre_len_S[:, None] + ar_Ls[None, :])[suf_real_S_Ls]])
     return PackedLayout(pre_idx_U_L, tuple(buckets), out_idx_N, ids_N, positions_N,
                         pre_start_U, suf_start_S)
 
@@ -182,8 +181,7 @@ def packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
                  scale=scaling, enable_gqa=gqa)]
     outs += [sdpa(view(q_H_N_D, b.q_idx_R_n), view(k_H_N_D, b.kv_idx_R_K),
                   view(v_H_N_D, b.kv_idx_R_K), attn_mask=b.mask_R_n_K[:, None],
-                  dropout_p=dropout,
-                  scale=scaling, enable_gqa=gqa) for b in layout.buckets]
+                  dropout_p=dropout, scale=scaling, enable_gqa=gqa) for b in layout.buckets]
     heads, dim = outs[0].shape[1], outs[0].shape[-1]
     both = torch.cat([o.transpose(1, 2).reshape(-1, heads, dim) for o in outs])
     return both.index_select(0, layout.out_idx_N)[None], None

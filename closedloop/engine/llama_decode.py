@@ -24,6 +24,17 @@ the generator's: ``attention_mask [B, L]`` covers the cached and the new ids (0 
 a new id at column ``C + i`` (``C`` cached columns) sees columns ``<= C + i`` that are real. A
 padding query row also sees itself, so its (never used) output stays finite.
 
+In float32, where torch has oneDNN, every weight whose sides are both at least
+``FP32_PACK_MIN_WIDTH`` is kept in oneDNN's pre-packed (blocked) layout and multiplied by
+``mkldnn._linear_pointwise``: the strided ``x @ W^T`` re-packs each weight it streams on every
+call, which at a decode batch of 32 rows left SmolLM2's products at 33-70 GFLOP/s against
+67-98 packed on a 2-core AVX2 EPYC (``docs/performance.md``, "oneDNN-packed float32 decode").
+Narrower weights stay strided: there the call's fixed cost weighs against the packing (a 64 x 64
+product ran 2-10x slower packed, a 128 x 49152 one slower at one row), and the tiny test
+models keep their float32 bits. The products accumulate in another order than the strided
+ones (~1e-6 relative), so sampled ids can differ from the strided layout's where two logits
+nearly tie.
+
 Under ``precision="bfloat16"`` every product is ``float32(bf16(x) @ bf16(W'))`` with ``W'`` the
 merged weight rounded once (as ``decode_copy.Bf16Linear``); the rest stays float32. Where the
 CPU has native bf16 (``onednn_bf16_packing``) the bf16 weights are kept in oneDNN's pre-packed
@@ -49,6 +60,9 @@ from closedloop.engine.decode_copy import effective_bias, effective_weight, is_m
 from closedloop.engine.precision import bf16_matmul, check_precision
 
 _PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
+FP32_PACK_MIN_WIDTH = 256
+"""A float32 weight is kept oneDNN-packed when both its sides are at least this wide (module
+doc): all of SmolLM2's (576 and up), none of a 64-wide test model's."""
 _MLP = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -107,6 +121,7 @@ class LlamaDecodeCopy:
         self.wdtype = torch.float32 if precision == "float32" else torch.bfloat16
         self.layers: list[_Layer] = []
         self._keys: dict[str, tuple[Any, ...]] = {}
+        self._scratch: dict[tuple[int, int], torch.Tensor] = {}  # merge buffers to pack from
         self.embed = self.norm = self.head_t = torch.empty(0)
         self.sync(force=True)
 
@@ -173,14 +188,18 @@ class LlamaDecodeCopy:
         the shape allows: ``W'^T = W^T + s A^T B^T``, a transposing copy and one ``addmm_`` per
         module, with no temporaries (a re-sync after every publication rewrites every adapted
         block; building ``B A``, ``W + s B A``, the stack and its transpose as new tensors
-        streamed each block's weights four more times).
+        streamed each block's weights four more times). A weight kept oneDNN-packed is merged
+        the same way into a reused ``[out, in]`` buffer and packed from it (``_packed_merge``).
         """
         factors = [_factors(m) for m in modules]
         if self.wdtype is not torch.float32 or any(f is None for f in factors):
             return self._w_t(torch.cat([effective_weight(m) for m in modules]))
         widths = [int(_base(m).weight.shape[0]) for m in modules]
         shape = (int(_base(modules[0]).weight.shape[1]), sum(widths))
-        out = (current if current is not None and tuple(current.shape) == shape
+        if self._packs(_base(modules[0]).weight, shape):
+            return self._packed_merge(modules, widths, factors, (shape[1], shape[0]))
+        out = (current if current is not None and not current.is_mkldnn
+               and tuple(current.shape) == shape
                and current.dtype is torch.float32 and current.is_contiguous()
                else torch.empty(shape, dtype=torch.float32,
                                 device=_base(modules[0]).weight.device))
@@ -193,6 +212,27 @@ class LlamaDecodeCopy:
             col += width
         return out
 
+    def _packed_merge(self, modules: list[Any], widths: list[int],
+                      factors: list[Any], shape: tuple[int, int]) -> torch.Tensor:
+        """``W' = W + s B A`` of each module, stacked along ``out`` in a reused ``[out, in]``
+        buffer, then packed (the packed tensor is a copy: the buffer is free again)."""
+        merged = self._scratch.get(shape)
+        if merged is None:
+            merged = self._scratch[shape] = torch.empty(shape, dtype=torch.float32)
+        row = 0
+        for module, width, pairs in zip(modules, widths, factors, strict=True):
+            block = merged[row:row + width]
+            block.copy_(_base(module).weight.detach())
+            for a_r_in, b_out_r, scale in pairs or ():
+                block.addmm_(b_out_r, a_r_in, alpha=scale)
+            row += width
+        return torch.ops.mkldnn._reorder_linear_weight(merged, PACK_ROWS_HINT)
+
+    def _packs(self, weight: torch.Tensor, shape: tuple[int, ...]) -> bool:
+        """Whether a float32 weight of ``shape`` (on ``weight``'s device) is kept packed."""
+        return (self.wdtype is torch.float32 and weight.device.type == "cpu"
+                and min(shape) >= FP32_PACK_MIN_WIDTH and onednn_fp32_packing())
+
     def _fresh(self, name: str, modules: list[Any], current: torch.Tensor | None,
                build: Callable[[], torch.Tensor]) -> torch.Tensor:
         """``current`` if ``modules``' tensors and adapter state are unchanged, else ``build()``."""
@@ -203,9 +243,12 @@ class LlamaDecodeCopy:
         return build()
 
     def _w_t(self, weight: torch.Tensor) -> torch.Tensor:
-        """``weight [out, in]`` in the product's layout: a contiguous fp32 ``[in, out]``, or in
-        bf16 oneDNN's pre-packed (blocked) layout where the CPU has native bf16, else a
-        contiguous bf16 ``[in, out]``."""
+        """``weight [out, in]`` in the product's layout: in fp32 oneDNN's pre-packed layout
+        (``_packs``) or a contiguous ``[in, out]``; in bf16 the pre-packed layout where the CPU
+        has native bf16, else a contiguous bf16 ``[in, out]``."""
+        if self._packs(weight, tuple(weight.shape)):
+            w = weight.detach().float().contiguous()
+            return torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT)
         if self.wdtype is torch.bfloat16 and weight.device.type == "cpu" \
                 and onednn_bf16_packing():
             w = weight.detach().to(torch.bfloat16).contiguous()
@@ -214,7 +257,9 @@ class LlamaDecodeCopy:
 
     def _mm(self, x: torch.Tensor, w_t: torch.Tensor, b: torch.Tensor | None = None
             ) -> torch.Tensor:
-        if w_t.is_mkldnn:  # float32(bf16(x) @ bf16(W')^T), the same rule as bf16_matmul
+        if w_t.is_mkldnn and self.wdtype is torch.float32:
+            y = torch.ops.mkldnn._linear_pointwise(x, w_t, None, "none", [], "")
+        elif w_t.is_mkldnn:  # float32(bf16(x) @ bf16(W')^T), the same rule as bf16_matmul
             y = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), w_t, None, "none",
                                                    [], "").float()
         elif self.wdtype is torch.float32:
@@ -280,6 +325,13 @@ class LlamaDecodeCopy:
 
 
 PACK_ROWS_HINT = 32  # the decode batch oneDNN's blocked weight layout is chosen for (any M runs)
+
+
+def onednn_fp32_packing() -> bool:
+    """Whether float32 weights can be kept pre-packed for oneDNN: torch built with it (any
+    x86 CPU it runs on; the packed product needs no bf16 or AMX instructions)."""
+    return bool(torch.backends.mkldnn.is_available()
+                and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
 def onednn_bf16_packing() -> bool:

@@ -228,3 +228,60 @@ def test_refresh_weights_can_force_a_full_sync(tokenizer, renderer):
     assert got.action_token_ids == want.action_token_ids
     assert max(abs(x - y) for x, y in zip(got.raw_model_logprobs, want.raw_model_logprobs,
                                           strict=True)) < 1e-4
+
+
+@pytest.fixture
+def fp32_packing(monkeypatch):
+    """Every float32 weight oneDNN-packed, the tiny model's included (SmolLM2's are by size)."""
+    if not llama_decode.onednn_fp32_packing():
+        pytest.skip("torch has no oneDNN here: float32 weights stay strided")
+    monkeypatch.setattr(llama_decode, "FP32_PACK_MIN_WIDTH", 1)
+
+
+def test_fp32_packing_is_chosen_by_weight_size(tokenizer):
+    copy = LlamaDecodeCopy(_lora(tokenizer))
+    assert not any(t.is_mkldnn for t in vars(copy.layers[0]).values() if t is not None)
+    big = torch.zeros(576, 576)  # SmolLM2's smallest projection
+    assert copy._packs(big, (576, 576)) == llama_decode.onednn_fp32_packing()
+    assert not copy._packs(big, (64, 49152))  # a tiny model's vocabulary projection
+    assert not LlamaDecodeCopy(_lora(tokenizer), "bfloat16")._packs(big, (576, 576))
+
+
+@pytest.mark.parametrize("kv_heads", [None, 4], ids=["gqa", "mha"])
+def test_fp32_packed_prefill_and_decode_equal_the_policy(tokenizer, kv_heads, fp32_packing,
+                                                         monkeypatch):
+    model = _lora(tokenizer, kv_heads=kv_heads)
+    copy = LlamaDecodeCopy(model)
+    assert copy.layers[0].qkv_t.is_mkldnn and copy.layers[0].down_t.is_mkldnn
+    assert copy.head_t.is_mkldnn
+    rows = [[5, 17, 300, 41, 9, 77, 12], [88, 3], [1000, 2000, 30, 4]]
+    steps = [[7, 8, 9], [11, 12, 13], [400, 500, 600]]
+    got = _run(copy, rows, steps)
+    monkeypatch.setattr(llama_decode, "FP32_PACK_MIN_WIDTH", 1 << 30)
+    plain = LlamaDecodeCopy(model)
+    assert not plain.layers[0].qkv_t.is_mkldnn
+    strided = _run(plain, rows, steps)
+    for k, logits in enumerate(got):
+        want = _policy_last_logits(model, [r + [s[b] for s in steps[:k]]
+                                           for b, r in enumerate(rows)])
+        assert float((logits - want).abs().max()) < 1e-4, k
+        assert float((logits - strided[k]).abs().max()) < 1e-4, k
+
+
+def test_fp32_packed_resync_merges_into_reused_buffers(tokenizer, fp32_packing):
+    model = _lora(tokenizer)
+    copy = LlamaDecodeCopy(model)
+    rows = [[5, 17, 300, 41], [88, 3, 2, 1]]
+    scratch = dict(copy._scratch)
+    assert scratch  # the adapted blocks were merged through it
+    for seed in (3, 4):
+        before = _run(copy, rows, [])[0]
+        _perturb(model, seed=seed, scale=0.3)
+        assert torch.equal(_run(copy, rows, [])[0], before)  # the policy's tensors: not shared
+        copy.sync()
+        assert all(copy._scratch[k] is v for k, v in scratch.items())  # no new buffers
+        after = _run(copy, rows, [])[0]
+        assert float((after - _policy_last_logits(model, rows)).abs().max()) < 1e-4
+        for buf in copy._scratch.values():
+            buf.fill_(7.0)  # the packed weights are copies of the buffers
+        assert torch.equal(_run(copy, rows, [])[0], after)

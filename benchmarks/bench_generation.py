@@ -14,7 +14,10 @@ observation ids appended with ``extend``:
   transposed weights run through transformers' forward, ``lean_decode=False``): the lean
   layout's gain, side by side;
 - ``kv_batched_native``: as ``kv_batched`` but forwarding the policy module itself instead of
-  a decode copy: the copies' gain, side by side.
+  a decode copy: the copies' gain, side by side;
+- ``kv_batched_strided``: as ``kv_batched`` with the lean copy's float32 weights kept strided
+  (``llama_decode.FP32_PACK_MIN_WIDTH`` out of reach) instead of oneDNN-packed: the packed
+  layout's gain, side by side (the same as ``kv_batched`` where torch has no oneDNN or in bf16).
 
 Throughput is sampled action tokens per second of generation wall time. One-at-a-time modes
 run ``--seq-episodes`` episodes (default 1; the per-episode cost does not depend on how many
@@ -45,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit, machine_label, median, rotate, set_threads
 
 from closedloop.contracts import SamplerConfig
-from closedloop.engine import PRECISIONS, HFGenerator
+from closedloop.engine import PRECISIONS, HFGenerator, llama_decode
 from closedloop.policy import ChatRenderer, build_tiny_model, load_model
 
 SYSTEM = "You are a careful agent that repairs files. " * 6
@@ -53,10 +56,11 @@ TOOLS = [{"name": n, "description": f"{n} a file in the workspace",
           "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}
          for n in ("read_file", "write_file", "list_dir")]
 MODES = ("kv_batched", "reprefill_batched", "kv_sequential", "naive", "kv_batched_module",
-         "kv_batched_native")
+         "kv_batched_native", "kv_batched_strided")
 TARGETS = {"kv_batched/reprefill_batched": 2.0, "kv_batched/kv_sequential": 3.0,
            "kv_batched/naive": 5.0, "kv_sequential/naive": 2.0,
-           "kv_batched/kv_batched_module": 1.0, "kv_batched/kv_batched_native": 1.0}
+           "kv_batched/kv_batched_module": 1.0, "kv_batched/kv_batched_native": 1.0,
+           "kv_batched/kv_batched_strided": 1.0}
 
 
 def run_episodes(gen: HFGenerator, prompt: list[int], n: int, turns: int, action: int,
@@ -85,9 +89,15 @@ def measure(mode: str, model: object, tok: object, prompt: list[int], args: argp
             obs_ids: list[int], seed: int, precision: str) -> tuple[float, float, int]:
     """One repeat of one mode at one matmul precision: (tokens/s, seconds, tokens)."""
     reprefill = mode in ("reprefill_batched", "naive")
-    gen = HFGenerator(model, tok, reprefill=reprefill, stop_token_ids=(), stop_sequences=(),
-                      weight_checksum="bench", decode_copy=mode != "kv_batched_native",
-                      lean_decode=mode != "kv_batched_module", precision=precision)
+    packing = llama_decode.FP32_PACK_MIN_WIDTH
+    if mode == "kv_batched_strided":
+        llama_decode.FP32_PACK_MIN_WIDTH = 1 << 62
+    try:
+        gen = HFGenerator(model, tok, reprefill=reprefill, stop_token_ids=(), stop_sequences=(),
+                          weight_checksum="bench", decode_copy=mode != "kv_batched_native",
+                          lean_decode=mode != "kv_batched_module", precision=precision)
+    finally:
+        llama_decode.FP32_PACK_MIN_WIDTH = packing
     if "batched" in mode:
         new, dt = run_episodes(gen, prompt, args.group, args.turns, args.action, obs_ids, seed)
     else:

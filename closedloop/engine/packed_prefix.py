@@ -74,19 +74,18 @@ def suffix_buckets(p_S: list[int], n_S: list[int]) -> list[list[int]]:
     """
     order = sorted(range(len(n_S)), key=lambda s: (n_S[s], p_S[s]))
     groups: list[list[int]] = []
-    real = 0
+    real = p_max = n_max = 0  # the current group's real pairs and its longest p and n
     for s in order:
         cost = n_S[s] * (p_S[s] + n_S[s])
         if groups:
-            rows = groups[-1] + [s]
-            p, n = max(p_S[r] for r in rows), max(n_S[r] for r in rows)
-            waste = len(rows) * n * (p + n) - (real + cost)
+            p, n = max(p_max, p_S[s]), max(n_max, n_S[s])
+            waste = (len(groups[-1]) + 1) * n * (p + n) - (real + cost)
             if waste <= max(WASTE_PAIRS, WASTE_SHARE * (real + cost)):
                 groups[-1].append(s)
-                real += cost
+                real, p_max, n_max = real + cost, p, n
                 continue
         groups.append([s])
-        real = cost
+        real, p_max, n_max = cost, p_S[s], n_S[s]
     return groups
 
 

@@ -15,9 +15,9 @@ observation ids appended with ``extend``:
   layout's gain, side by side;
 - ``kv_batched_native``: as ``kv_batched`` but forwarding the policy module itself instead of
   a decode copy: the copies' gain, side by side;
-- ``kv_batched_strided``: as ``kv_batched`` with the lean copy's float32 weights kept strided
-  (``llama_decode.FP32_PACK_MIN_WIDTH`` out of reach) instead of oneDNN-packed: the packed
-  layout's gain, side by side (the same as ``kv_batched`` where torch has no oneDNN or in bf16).
+- ``kv_batched_strided``: as ``kv_batched`` with the lean copy's weights kept strided
+  (``HFGenerator(packed_weights=False)``) instead of oneDNN-packed: the packed layout's gain,
+  side by side (the same as ``kv_batched`` where torch has no oneDNN).
 
 Throughput is sampled action tokens per second of generation wall time. One-at-a-time modes
 run ``--seq-episodes`` episodes (default 1; the per-episode cost does not depend on how many
@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit, machine_label, median, rotate, set_threads
 
 from closedloop.contracts import SamplerConfig
-from closedloop.engine import PRECISIONS, HFGenerator, llama_decode
+from closedloop.engine import PRECISIONS, HFGenerator
 from closedloop.policy import ChatRenderer, build_tiny_model, load_model
 
 SYSTEM = "You are a careful agent that repairs files. " * 6
@@ -89,15 +89,10 @@ def measure(mode: str, model: object, tok: object, prompt: list[int], args: argp
             obs_ids: list[int], seed: int, precision: str) -> tuple[float, float, int]:
     """One repeat of one mode at one matmul precision: (tokens/s, seconds, tokens)."""
     reprefill = mode in ("reprefill_batched", "naive")
-    packing = llama_decode.FP32_PACK_MIN_WIDTH
-    if mode == "kv_batched_strided":
-        llama_decode.FP32_PACK_MIN_WIDTH = 1 << 62
-    try:
-        gen = HFGenerator(model, tok, reprefill=reprefill, stop_token_ids=(), stop_sequences=(),
-                          weight_checksum="bench", decode_copy=mode != "kv_batched_native",
-                          lean_decode=mode != "kv_batched_module", precision=precision)
-    finally:
-        llama_decode.FP32_PACK_MIN_WIDTH = packing
+    gen = HFGenerator(model, tok, reprefill=reprefill, stop_token_ids=(), stop_sequences=(),
+                      weight_checksum="bench", decode_copy=mode != "kv_batched_native",
+                      lean_decode=mode != "kv_batched_module", precision=precision,
+                      packed_weights=mode != "kv_batched_strided")
     if "batched" in mode:
         new, dt = run_episodes(gen, prompt, args.group, args.turns, args.action, obs_ids, seed)
     else:

@@ -25,9 +25,10 @@ without K/V copies; it re-syncs only blocks whose weights changed), otherwise th
 ``DecodeCopy`` (merged LoRA, transposed Linear weights), which serves any other causal LM a
 local model folder may hold. ``precision`` (``closedloop.engine.precision``: ``float32`` or
 ``bfloat16`` matmuls) is applied the same way the trainer applies it, so the auditor compares
-like with like. Three switches exist for comparison only (benchmarks and tests):
-``lean_decode=False`` forces the module copy on a Llama, ``decode_copy=False`` runs the policy
-module itself, ``reprefill=True`` drops the caches.
+like with like. Four switches exist for comparison only (benchmarks and tests):
+``lean_decode=False`` forces the module copy on a Llama, ``packed_weights=False`` keeps the lean
+copy's weights strided instead of oneDNN-packed, ``decode_copy=False`` runs the policy module
+itself, ``reprefill=True`` drops the caches.
 
 The last sampled id of an action is not fed to the model: it is the first pending id of the next
 turn. Sampling draws one float64 uniform per live row from the ``torch.Generator`` per step
@@ -113,13 +114,13 @@ class HFGenerator:
                  stop_sequences: Sequence[str] = (TOOL_CALL_CLOSE,), seed: int = 0,
                  max_context: int | None = None,
                  decode_copy: bool = True, precision: str = "float32",
-                 lean_decode: bool = True) -> None:
+                 lean_decode: bool = True, packed_weights: bool = True) -> None:
         self.model = model
         self.device = model_device(model)  # inputs are built here (closedloop.engine.device)
         self.precision = check_precision(precision)
         self._decode: DecodeCopy | LlamaDecodeCopy | None = None
         if decode_copy and lean_decode and supports(model) is None:
-            self._decode = LlamaDecodeCopy(model, precision)
+            self._decode = LlamaDecodeCopy(model, precision, packed=packed_weights)
         elif decode_copy:
             self._decode = DecodeCopy(model, precision)
         self.max_context = int(max_context or getattr(model.config, "max_position_embeddings",

@@ -106,11 +106,13 @@ class LlamaDecodeCopy:
     """The generator's flat copy of a Llama policy (module doc). Call ``sync`` after every
     weight change; ``last_logits`` runs one forward and returns float32 ``[B, V]``."""
 
-    def __init__(self, model: Any, precision: str = "float32") -> None:
+    def __init__(self, model: Any, precision: str = "float32", packed: bool = True) -> None:
+        """``packed=False`` keeps every weight strided (the module doc's packing off)."""
         reason = supports(model)
         if reason is not None:
             raise ValueError(f"LlamaDecodeCopy cannot hold this model: {reason}")
         self.precision = check_precision(precision)
+        self.packed = packed
         self.source = model.get_base_model() if hasattr(model, "get_base_model") else model
         cfg = self.source.config
         self.n_heads = int(cfg.num_attention_heads)
@@ -230,7 +232,7 @@ class LlamaDecodeCopy:
 
     def _packs(self, weight: torch.Tensor, shape: tuple[int, ...]) -> bool:
         """Whether a float32 weight of ``shape`` (on ``weight``'s device) is kept packed."""
-        return (self.wdtype is torch.float32 and weight.device.type == "cpu"
+        return (self.packed and self.wdtype is torch.float32 and weight.device.type == "cpu"
                 and min(shape) >= FP32_PACK_MIN_WIDTH and onednn_fp32_packing())
 
     def _fresh(self, name: str, modules: list[Any], current: torch.Tensor | None,
@@ -249,7 +251,7 @@ class LlamaDecodeCopy:
         if self._packs(weight, tuple(weight.shape)):
             w = weight.detach().float().contiguous()
             return torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT)
-        if self.wdtype is torch.bfloat16 and weight.device.type == "cpu" \
+        if self.packed and self.wdtype is torch.bfloat16 and weight.device.type == "cpu" \
                 and onednn_bf16_packing():
             w = weight.detach().to(torch.bfloat16).contiguous()
             return torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT)

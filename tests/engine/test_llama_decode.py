@@ -248,8 +248,7 @@ def test_fp32_packing_is_chosen_by_weight_size(tokenizer):
 
 
 @pytest.mark.parametrize("kv_heads", [None, 4], ids=["gqa", "mha"])
-def test_fp32_packed_prefill_and_decode_equal_the_policy(tokenizer, kv_heads, fp32_packing,
-                                                         monkeypatch):
+def test_fp32_packed_prefill_and_decode_equal_the_policy(tokenizer, kv_heads, fp32_packing):
     model = _lora(tokenizer, kv_heads=kv_heads)
     copy = LlamaDecodeCopy(model)
     assert copy.layers[0].qkv_t.is_mkldnn and copy.layers[0].down_t.is_mkldnn
@@ -257,8 +256,7 @@ def test_fp32_packed_prefill_and_decode_equal_the_policy(tokenizer, kv_heads, fp
     rows = [[5, 17, 300, 41, 9, 77, 12], [88, 3], [1000, 2000, 30, 4]]
     steps = [[7, 8, 9], [11, 12, 13], [400, 500, 600]]
     got = _run(copy, rows, steps)
-    monkeypatch.setattr(llama_decode, "FP32_PACK_MIN_WIDTH", 1 << 30)
-    plain = LlamaDecodeCopy(model)
+    plain = LlamaDecodeCopy(model, packed=False)
     assert not plain.layers[0].qkv_t.is_mkldnn
     strided = _run(plain, rows, steps)
     for k, logits in enumerate(got):
@@ -285,3 +283,17 @@ def test_fp32_packed_resync_merges_into_reused_buffers(tokenizer, fp32_packing):
         for buf in copy._scratch.values():
             buf.fill_(7.0)  # the packed weights are copies of the buffers
         assert torch.equal(_run(copy, rows, [])[0], after)
+
+
+def test_the_generator_can_keep_the_weights_strided(tokenizer, renderer, fp32_packing):
+    model = _lora(tokenizer)
+    prompt = renderer.render_prompt("Repair a.json")
+    packed = HFGenerator(model, tokenizer, seed=0)
+    strided = HFGenerator(model, tokenizer, seed=0, packed_weights=False)
+    assert packed._decode.layers[0].qkv_t.is_mkldnn
+    assert not strided._decode.layers[0].qkv_t.is_mkldnn
+    outs = [g.generate(prompt, SamplerConfig(), renderer.stop_sequences, 16, seed=3)
+            for g in (packed, strided)]
+    assert outs[0].action_token_ids == outs[1].action_token_ids
+    assert max(abs(x - y) for x, y in zip(outs[0].raw_model_logprobs, outs[1].raw_model_logprobs,
+                                          strict=True)) < 1e-4

@@ -60,10 +60,10 @@ from closedloop.engine.decode_copy import effective_bias, effective_weight, is_m
 from closedloop.engine.precision import bf16_matmul, check_precision
 
 _PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
 FP32_PACK_MIN_WIDTH = 256
 """A float32 weight is kept oneDNN-packed when both its sides are at least this wide (module
 doc): all of SmolLM2's (576 and up), none of a 64-wide test model's."""
-_MLP = ("gate_proj", "up_proj", "down_proj")
 
 
 def supports(model: Any) -> str | None:

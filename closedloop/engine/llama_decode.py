@@ -231,9 +231,14 @@ class LlamaDecodeCopy:
         return torch.ops.mkldnn._reorder_linear_weight(merged, PACK_ROWS_HINT)
 
     def _packs(self, weight: torch.Tensor, shape: tuple[int, ...]) -> bool:
-        """Whether a float32 weight of ``shape`` (on ``weight``'s device) is kept packed."""
-        return (self.packed and self.wdtype is torch.float32 and weight.device.type == "cpu"
-                and min(shape) >= FP32_PACK_MIN_WIDTH and onednn_fp32_packing())
+        """Whether a weight of ``shape`` (on ``weight``'s device) is kept oneDNN-packed: in
+        float32 where torch has oneDNN and both sides are >= ``FP32_PACK_MIN_WIDTH``, in bf16
+        where the CPU has native bf16."""
+        if not self.packed or weight.device.type != "cpu":
+            return False
+        if self.wdtype is torch.float32:
+            return min(shape) >= FP32_PACK_MIN_WIDTH and onednn_fp32_packing()
+        return onednn_bf16_packing()
 
     def _fresh(self, name: str, modules: list[Any], current: torch.Tensor | None,
                build: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -245,15 +250,10 @@ class LlamaDecodeCopy:
         return build()
 
     def _w_t(self, weight: torch.Tensor) -> torch.Tensor:
-        """``weight [out, in]`` in the product's layout: in fp32 oneDNN's pre-packed layout
-        (``_packs``) or a contiguous ``[in, out]``; in bf16 the pre-packed layout where the CPU
-        has native bf16, else a contiguous bf16 ``[in, out]``."""
+        """``weight [out, in]`` in the product's dtype and layout: oneDNN's pre-packed one
+        where ``_packs``, else a contiguous ``[in, out]``."""
         if self._packs(weight, tuple(weight.shape)):
-            w = weight.detach().float().contiguous()
-            return torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT)
-        if self.packed and self.wdtype is torch.bfloat16 and weight.device.type == "cpu" \
-                and onednn_bf16_packing():
-            w = weight.detach().to(torch.bfloat16).contiguous()
+            w = weight.detach().to(self.wdtype).contiguous()
             return torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT)
         return weight.detach().t().to(self.wdtype).contiguous()
 

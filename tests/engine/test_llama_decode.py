@@ -244,7 +244,8 @@ def test_fp32_packing_is_chosen_by_weight_size(tokenizer):
     big = torch.zeros(576, 576)  # SmolLM2's smallest projection
     assert copy._packs(big, (576, 576)) == llama_decode.onednn_fp32_packing()
     assert not copy._packs(big, (64, 49152))  # a tiny model's vocabulary projection
-    assert not LlamaDecodeCopy(_lora(tokenizer), "bfloat16")._packs(big, (576, 576))
+    bf16 = LlamaDecodeCopy(_lora(tokenizer), "bfloat16")  # packed where bf16 is native
+    assert bf16._packs(big, (64, 64)) == llama_decode.onednn_bf16_packing()
 
 
 @pytest.mark.parametrize("kv_heads", [None, 4], ids=["gqa", "mha"])

@@ -16,8 +16,8 @@ its breakdown (seconds):
   base snapshots, rendering observation deltas, turn records and the trace (``render_s``,
   ``bookkeeping_s``, the rest of collection), the clean-room verifier step (``verify_s``),
   admission and the ledger (``admit_s``), credit and the padded batch, the checkpoint, the
-  publication (stage; the worker's load and its proof: the probe it samples, scored by the
-  publisher with the trainer's weights, and the acknowledgement) and the metrics record.
+  publication (stage; the worker's load and its proof: the fixed probe its engine scores, the
+  publisher's trainer-path reference for it, and the acknowledgement) and the metrics record.
   Itemized in ``items``.
 
 The timers only read ``time.perf_counter`` around calls the step makes anyway; the run does
@@ -101,7 +101,7 @@ class RealStep:
                        "acknowledge": _Timed(publisher, "acknowledge"),
                        # parts of the proof (inside "prove"/"acknowledge", not added again)
                        "decode sync": _Timed(worker.generator, "refresh_weights"),
-                       "probe sample": _Timed(worker.generator, "generate")}
+                       "probe score": _Timed(worker.generator, "score")}
         if publisher.reference is not None:
             self.timers["probe reference"] = _Timed(publisher.reference, "logprobs")
         self.setup_s = time.perf_counter() - t0
@@ -138,13 +138,13 @@ class RealStep:
             "credit, ledger check, padded batch": secs.get("update_s", 0.0) - update,
             "checkpoint": timers["checkpoint"],
             "publication: stage": timers["stage"],
-            "publication: replica proof (worker load, probe sample, trainer's reference, ack)":
+            "publication: replica proof (worker load, probe score, trainer's reference, ack)":
             timers["prove"] + timers["acknowledge"],
             "sampler, ledger marks, trainer checksum": secs.get("publish_s", 0.0)
             - timers["checkpoint"] - timers["stage"] - timers["prove"] - timers["acknowledge"],
         }
         proof_parts = {"decode copy re-merge": timers["decode sync"],
-                       "probe sample": timers["probe sample"],
+                       "probe score": timers["probe score"],
                        "trainer's reference": timers.get("probe reference", 0.0)}
         bookkeeping = wall - generation - environment - update
         action_tokens = sum(len(t.action_token_ids) for e in episodes for t in e.turns)
@@ -177,7 +177,7 @@ def share_line(parts: dict[str, Any]) -> str:
 
 def items_line(parts: dict[str, Any]) -> str:
     """The bookkeeping items, largest first, with their share of the wall time; then the
-    replica proof's parts (the generator's decode-copy re-merge, the probe it samples, the
+    replica proof's parts (the generator's decode-copy re-merge, the probe it scores, the
     trainer's reference)."""
     wall = parts["wall"]
     line = "; ".join(f"{k} {v:.3f}s ({100 * v / wall:.1f}%)" for k, v in

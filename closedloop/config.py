@@ -149,7 +149,7 @@ class WeightSyncSection:
     require_all_worker_checksums: bool = True
     kv_cache_on_update: Literal["invalidate"] = "invalidate"
     # Generator replica processes that prove every publication (each rebuilds the policy,
-    # loads a staged version into a shadow slot, hashes it, serves the probe) besides the
+    # loads a staged version into a shadow slot, hashes it, scores the probe) besides the
     # in-process worker; the version becomes active only once all of them have.
     replicas: int = 0
     # The longest a replica may take to start or to answer (ReplicaError past it).

@@ -60,7 +60,7 @@ from closedloop.policy.generator import (
     StopMatcher,
     default_stop_token_ids,
 )
-from closedloop.policy.sampling import sample_step
+from closedloop.policy.sampling import sample_step, transform_logits
 
 SessionId = int
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each [1, H, n, D]
@@ -356,16 +356,47 @@ class HFGenerator:
         if isinstance(self._decode, LlamaDecodeCopy):
             logits_B_V = self._decode.last_logits(input_B_P, mask_B_L, pos_B_P, cache)
         else:
-            kwargs = dict(input_ids=input_B_P, attention_mask=mask_B_L, position_ids=pos_B_P,
-                          cache=cache, use_cache=True, logits_to_keep=1)
-            if self._decode is not None:
-                out = self._decode(**kwargs)
-            else:
-                with matmul_precision(self.model, self.precision):
-                    out = self.model(**kwargs)
-            logits_B_V = out.logits[:, -1, :].float()
+            logits_B_V = self._tail_logits(input_B_P, mask_B_L, pos_B_P, cache, 1)[:, -1]
         self.stats.forward_calls += 1
         return logits_B_V
+
+    def _tail_logits(self, input_B_P: torch.Tensor, mask_B_L: torch.Tensor,
+                     pos_B_P: torch.Tensor, cache: Any, keep: int) -> torch.Tensor:
+        """The float32 logits ``[B, keep, V]`` of the last ``keep`` input positions."""
+        if isinstance(self._decode, LlamaDecodeCopy):
+            return self._decode.tail_logits(input_B_P, mask_B_L, pos_B_P, cache, keep)
+        kwargs = dict(input_ids=input_B_P, attention_mask=mask_B_L, position_ids=pos_B_P,
+                      cache=cache, use_cache=True, logits_to_keep=keep)
+        if self._decode is not None:
+            out = self._decode(**kwargs)
+        else:
+            with matmul_precision(self.model, self.precision):
+                out = self.model(**kwargs)
+        return out.logits[:, -keep:, :].float()
+
+    # -- teacher-forced scoring ---------------------------------------------------------------
+    def score(self, token_ids: Sequence[int], sampler: SamplerConfig) -> list[float]:
+        """Teacher-forced log-probs of a fixed sequence on the generator's own weights: for
+        ``t = 1 .. n-1``, ``transform_logits(z_t, sampler)[ids[t]]`` (the behaviour log-prob
+        sampling would record for ``ids[t]``), with ``z_t`` the logits after ``ids[:t]``.
+
+        One prefill of ``ids[:-1]`` through the same forward the sessions use, in a cache of
+        its own (no session is opened or touched); ``n - 1`` values."""
+        ids = self._checked_ids(token_ids)
+        if len(ids) < 2:
+            raise GenerationError("score needs at least two ids (one to condition on)")
+        from closedloop.engine.kv_cache import batch_cache  # imports transformers
+
+        n = len(ids) - 1
+        with torch.no_grad():
+            logits_1_N_V = self._tail_logits(
+                torch.tensor([ids[:-1]], device=self.device),
+                torch.ones(1, n, dtype=torch.long, device=self.device),
+                torch.arange(n, device=self.device)[None], batch_cache([None], 0, n), n)
+            logprobs_N_V = transform_logits(logits_1_N_V[0], sampler)
+            picked = logprobs_N_V.gather(-1, torch.tensor(ids[1:], device=self.device)[:, None])
+        self.stats.forward_calls += 1
+        return [float(x) for x in picked[:, 0].cpu()]
 
     def _finish(self, st: _Session, row: _Row, cache: Any, j: int, mask_L: torch.Tensor) -> None:
         """Hand a finished row's ids and its cache (padding squeezed out) back to its session."""

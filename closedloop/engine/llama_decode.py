@@ -276,7 +276,14 @@ class LlamaDecodeCopy:
     @torch.no_grad()
     def last_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                     position_ids: torch.Tensor, cache: Any) -> torch.Tensor:
-        """Run ``input_ids [B, P]`` after the cached ids; return the last position's logits.
+        """Run ``input_ids [B, P]`` after the cached ids; return the last position's logits
+        ``[B, V]`` (``tail_logits`` with ``keep=1``)."""
+        return self.tail_logits(input_ids, attention_mask, position_ids, cache, 1)[:, 0]
+
+    def tail_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    position_ids: torch.Tensor, cache: Any, keep: int) -> torch.Tensor:
+        """Run ``input_ids [B, P]`` after the cached ids; return the logits of the last
+        ``keep`` positions, ``[B, keep, V]``.
 
         ``attention_mask [B, C + P]`` (C = ids already in ``cache``), ``position_ids [B, P]``.
         Appends the new keys/values to ``cache`` (``cache.update(k, v, layer)``).
@@ -299,8 +306,8 @@ class LlamaDecodeCopy:
             half = gu.shape[-1] // 2
             act = nn.functional.silu(gu[..., :half], inplace=True).mul_(gu[..., half:])
             h = h + self._mm(act, layer.down_t)
-        last = self._rmsnorm(h[:, -1], self.norm)
-        return self._mm(last, self.head_t, self.head_b)
+        tail = self._rmsnorm(h[:, -keep:], self.norm)
+        return self._mm(tail, self.head_t, self.head_b)
 
     def _rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos``/``sin`` ``[B, P, 1, D]`` for the positions (the default Llama rotary), to

@@ -179,7 +179,7 @@ class PolicyLease:
 class WorkerAck:
     """A worker's report on the weights it holds for ``version``: ``checksum_loaded`` is the
     worker's own hash of its weights (never a checksum it was handed); ``digests_hash`` the
-    content hash of its per-tensor checksums; ``probe_ids``/``probe_logprobs`` what it sampled
+    content hash of its per-tensor checksums; ``probe_ids``/``probe_logprobs`` what it scored
     on the fixed probe; ``load_s`` how long loading and proving took;
     ``probe_max_abs_delta`` the largest gap between its probe log-probs and the trainer's
     scoring of the same ids at that version."""

@@ -5,10 +5,10 @@ active only once all of them have (atomic weight publication, docs/concepts.md).
     -> stage: an immutable version folder (adapter, manifest, checksum, per-tensor digests),
        verified on write
     -> every worker (the in-process generator at its round boundary; each replica process in
-       a shadow slot) loads it, hashes what it now holds and serves the fixed probe: its Proof
+       a shadow slot) loads it, hashes what it now holds and scores the fixed probe: its Proof
     -> the publisher checks each proof: the worker's own checksum is the manifest's, its
        per-tensor digests are the staged ones, its probe log-probs are the trainer's scoring
-       of the same ids at that version (float32 runs: within consistency.max_abs_tolerance)
+       of the same fixed ids at that version (float32 runs: within consistency.max_abs_tolerance)
     -> every worker proved it: ACTIVE switches (one atomic rename), the replicas swap their
        shadow in
 
@@ -41,9 +41,10 @@ ManifestOf = Callable[[str, PolicyChecksum], PolicyManifest]
 
 
 class ProbeReference:
-    """The trainer path's log-probs of a worker's probe ids at a staged version: its own copy
-    of the policy (``RolloutWorker.inference_copy`` of the trainer's), loaded from the
-    registry, so the reference is the version's, whatever the trainer holds by then."""
+    """The trainer path's log-probs of the probe at a staged version: its own copy of the
+    policy (``RolloutWorker.inference_copy`` of the trainer's), loaded from the registry, so
+    the reference is the version's, whatever the trainer holds by then. The probe's ids are
+    fixed, so a version's reference is computed once and compared with every worker's proof."""
 
     def __init__(self, model: Any, registry: PolicyRegistry, precision: str) -> None:
         from closedloop.training.rollout_worker import inference_copy
@@ -52,24 +53,28 @@ class ProbeReference:
         self.registry = registry
         self.precision = precision
         self.version: str | None = None
+        self._scored: dict[tuple[str, Probe], list[float]] = {}
 
-    def logprobs(self, version: str, probe: Probe, ids: Sequence[int]) -> list[float]:
-        """log π_version(ids | probe prompt) at the probe sampler's temperature."""
+    def logprobs(self, version: str, probe: Probe) -> list[float]:
+        """``log π_version(ids[t] | ids[:t])`` for ``t = 1 .. n-1`` at the probe's temperature."""
+        key = (version, probe)
+        if key not in self._scored:
+            self._scored = {key: self._score(version, probe)}  # one version in flight at a time
+        return self._scored[key]
+
+    def _score(self, version: str, probe: Probe) -> list[float]:
         if self.version != version:
             own = split_state_dict(self.model)[1]
             with torch.no_grad():
                 for name, tensor in self.registry.load_state_dict(version).items():
                     own[name].copy_(tensor)
             self.version = version
-        full = list(probe.prompt_ids) + list(ids)
-        ids_1_T = torch.tensor([full])
-        mask_1_Tm1 = torch.zeros(1, len(full) - 1, dtype=torch.long)
-        mask_1_Tm1[0, len(probe.prompt_ids) - 1:] = 1
+        ids_1_T = torch.tensor([list(probe.ids)])
         with torch.no_grad(), matmul_precision(self.model, self.precision):
             out = trainer_path_logprobs(self.model, ids_1_T, torch.ones_like(ids_1_T),
-                                        mask_1_Tm1, False,
-                                        temperature=probe.sampler.temperature)
-        return [float(x) for x in out[0, len(probe.prompt_ids) - 1:]]
+                                        torch.ones(1, len(probe.ids) - 1, dtype=torch.long),
+                                        False, temperature=probe.sampler.temperature)
+        return [float(x) for x in out[0]]
 
 
 class Publisher:
@@ -154,7 +159,12 @@ class Publisher:
             return f"{len(differ)} tensors differ from the staged ones ({differ[0]})", None
         if self.reference is None or self.probe is None or not proof.probe_ids:
             return None, None
-        ref = self.reference.logprobs(proof.version, self.probe, proof.probe_ids)
+        if tuple(proof.probe_ids) != self.probe.ids or len(proof.probe_logprobs) != len(
+                self.probe.ids) - 1:
+            return (f"it scored another probe ({len(proof.probe_ids)} ids, "
+                    f"{len(proof.probe_logprobs)} log-probs; the probe has "
+                    f"{len(self.probe.ids)} ids)"), None
+        ref = self.reference.logprobs(proof.version, self.probe)
         delta = max(abs(a - b) for a, b in zip(ref, proof.probe_logprobs, strict=True))
         if self.probe_tol is not None and delta > self.probe_tol:
             return (f"its probe log-probs are {delta:.3g} from the trainer's at that version "

@@ -130,11 +130,9 @@ def _prove_held(slot: Any, version: str, probe: Probe) -> Proof:
     """The proof of what ``slot`` holds, without loading ``version`` (the ``stale`` fault)."""
     from closedloop.policy.weights import tensor_digests
 
-    out = slot.generator.generate(list(probe.prompt_ids), probe.sampler, (),
-                                  probe.max_new_tokens, probe.seed)
+    logprobs = slot.generator.score(probe.ids, probe.sampler)
     return Proof(slot.worker_id, version, slot.held_checksum().combined,
-                 tensor_digests(slot.adapter_tensors()), tuple(out.action_token_ids),
-                 tuple(out.behavior_logprobs), 0.0)
+                 tensor_digests(slot.adapter_tensors()), probe.ids, tuple(logprobs), 0.0)
 
 
 class Replica:

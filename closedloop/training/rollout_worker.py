@@ -105,8 +105,12 @@ class RolloutWorker:
         it into the worker's own adapter, hash what the worker now holds and keep it only if
         that is the manifest's ``weight_checksum`` (``ChecksumMismatchError`` otherwise, the
         previous weights restored). Every KV cache is dropped. A no-op when already held."""
-        if self.version == version:
-            return self.held_manifest()
+        if self.version != version:
+            self._hold(version)
+        return self.held_manifest()
+
+    def _hold(self, version: str) -> PolicyChecksum:
+        """``load``'s work (``version`` not held yet); the checksum of what is held after it."""
         manifest = self.registry.manifest(version)
         state = self.registry.load_state_dict(version)
         own = self.adapter_tensors()
@@ -122,7 +126,7 @@ class RolloutWorker:
                                         f"{held.combined}, not {manifest.weight_checksum}")
         self.generator.refresh_weights(held.combined)
         self.version, self.manifest = version, manifest
-        return manifest
+        return held
 
     @staticmethod
     def _copy_in(own: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> None:
@@ -132,17 +136,14 @@ class RolloutWorker:
 
     def prove(self, version: str, probe: Probe) -> Proof:
         """Hold ``version`` (``load``) and prove it from what the worker holds: its own
-        checksum, each adapter tensor's checksum, and the fixed probe served by its own
+        checksum, each adapter tensor's checksum, and the fixed probe scored by its own
         generator (``closedloop.training.weight_sync``)."""
         t0 = time.monotonic()
-        self.load(version)
-        held = self.held_checksum()
+        held = self._hold(version) if self.version != version else self.held_checksum()
         digests = tensor_digests(self.adapter_tensors())
-        out = self.generator.generate(list(probe.prompt_ids), probe.sampler, (),
-                                      probe.max_new_tokens, probe.seed)
-        return Proof(self.worker_id, version, held.combined, digests,
-                     tuple(out.action_token_ids), tuple(out.behavior_logprobs),
-                     time.monotonic() - t0)
+        logprobs = self.generator.score(probe.ids, probe.sampler)
+        return Proof(self.worker_id, version, held.combined, digests, probe.ids,
+                     tuple(logprobs), time.monotonic() - t0)
 
     def held_manifest(self) -> PolicyManifest:
         """The manifest of the version held (``RegistryError`` before the first ``load``)."""

@@ -30,13 +30,14 @@ from typing import Any
 
 from closedloop.contracts import PolicyManifest, TraceWriter
 from closedloop.errors import ConfigError, ConsistencyGateError, EngineUnavailableError
+from closedloop.policy.chat import ChatMessage
 from closedloop.policy.lora import PolicyChecksum, policy_weight_checksum, split_state_dict
 from closedloop.progress import log
 from closedloop.rollout.collector import Collector, CollectorConfig
 from closedloop.rollout.verifier_step import CollectedGroup, RolloutGroup
 from closedloop.rollout.work_orders import GroupSpec
 from closedloop.training.collection import commit_trace
-from closedloop.training.weight_sync import Proof, probe_prompt
+from closedloop.training.weight_sync import Proof
 from closedloop.training.wiring import CollectorParts, make_collector
 
 BASE_DIR = "engine-base"
@@ -254,7 +255,7 @@ class VLLMScaleOut(_ScaleOut):
         self.replica = VLLMReplica(self.generator, VLLM_WORKER,
                                    LoraLayout(t.lora_rank, t.lora_alpha, tuple(t.lora_targets)),
                                    run.dir / "vllm-adapters", cfg.consistency.max_abs_tolerance)
-        self.probe = Probe(probe_prompt(run.policy.renderer, PROBE_TEXT),
+        self.probe = Probe(_probe_prompt(run.policy.renderer, PROBE_TEXT),
                            cfg.rollout.sampler, max_new_tokens=v.probe_tokens, stream=t.seed)
         self.build = (f"vllm:{self.engine.hello.get('vllm_version')}/float32/"
                       f"{self.engine.hello.get('logprobs_mode')}")
@@ -331,3 +332,12 @@ def make_scale_out(run: Any) -> _ScaleOut | None:
     if run.cfg.rollout.workers == "ray":
         return RayScaleOut(run)
     return None
+
+
+def _probe_prompt(renderer: Any, text: str) -> tuple[int, ...]:
+    """The vLLM replica's probe prompt: ``text`` as the only user message of the run's chat
+    template, then the assistant header (the replica samples its probe from there, so its
+    sampling path is proved on the engine the run's rollouts come from)."""
+    template = renderer.template
+    return tuple(renderer.encode(template.render_messages([ChatMessage("user", text)],
+                                                          add_generation_prompt=True)))

@@ -8,10 +8,16 @@ A ``Proof`` is computed by the worker from what it holds, never from a checksum 
   ``weight_checksum`` when it holds the version);
 - ``digests``: the checksum of each adapter tensor (the registry's ``digests.json`` names the
   tensor that differs);
-- ``probe_ids``/``probe_logprobs``: what its generator samples on a fixed prompt with a fixed
-  seed and the run's sampler. Two workers holding the same weights in the same engine sample
-  the same ids with the same log-probs; the trainer scores those ids at the staged version,
-  so a worker whose engine serves other weights than it hashes is caught too.
+- ``probe_ids``/``probe_logprobs``: a fixed sequence and its teacher-forced log-probs, scored
+  by its own generator in one prefill at the run's temperature (``HFGenerator.score``). The
+  trainer path scores the same ids at the staged version, so a worker whose engine serves other
+  weights than it hashes is caught: every scored position passes every projection of every
+  layer and the whole vocabulary head.
+
+Teacher forcing, not sampling: a sampled probe costs one weight-streaming decode step per id
+at one row (on a CPU, several times the prefill of the same ids) and proves nothing more about
+which weights the engine holds; sampling itself is audited on every rollout token (the
+generator/trainer log-prob audit).
 """
 
 from __future__ import annotations
@@ -20,40 +26,39 @@ from dataclasses import dataclass
 from typing import Any
 
 from closedloop.contracts import SamplerConfig, content_hash
-from closedloop.policy.chat import ChatMessage
 
-__all__ = ["PROBE_TEXT", "Probe", "Proof", "probe_of", "probe_prompt"]
+__all__ = ["PROBE_TEXT", "Probe", "Proof", "probe_ids", "probe_of"]
 
-PROBE_TEXT = "Probe: repair config.json so that it parses."
-"""The task text the probe prompt renders (any fixed text: only identity matters)."""
+PROBE_TEXT = "Probe: repair config.json."
+"""The text whose ids the probe scores (any fixed text: only identity matters)."""
 
 
 @dataclass(frozen=True)
 class Probe:
-    """The fixed probe: prompt ids, sampler, length and seed."""
+    """The fixed probe: the ids every worker scores teacher-forced, and the sampler (its
+    temperature only: ``probe_of``) whose behaviour log-probs it scores."""
 
-    prompt_ids: tuple[int, ...]
+    ids: tuple[int, ...]
     sampler: SamplerConfig
-    max_new_tokens: int = 8
-    seed: int = 20_240_601
+
+    def __post_init__(self) -> None:
+        if len(self.ids) < 2:
+            raise ValueError("a probe needs at least two ids (one to condition on)")
 
 
-def probe_prompt(renderer: Any, text: str = PROBE_TEXT) -> tuple[int, ...]:
-    """The probe's prompt ids: ``text`` as the only user message of the run's chat template,
-    then the assistant header.
+def probe_ids(renderer: Any, text: str = PROBE_TEXT) -> tuple[int, ...]:
+    """The probe's ids: ``text`` encoded by the run's tokenizer, no chat template.
 
-    The probe proves which weights an engine serves, and every prompt and sampled token
-    passes every adapted projection of every layer, so a short prompt tests the same thing
-    as turn 0's: the scaffold's system block (tools included, ~230 ids on the terminal
-    tasks) would only add its prefill to each proof and to the trainer's reference."""
-    template = renderer.template
-    return tuple(renderer.encode(template.render_messages([ChatMessage("user", text)],
-                                                          add_generation_prompt=True)))
+    The probe proves which weights an engine serves; each scored id passes every adapted
+    projection of every layer, so a short plain text tests the same thing as a rendered turn,
+    and its cost (one prefill in the worker, one trainer-path forward in the publisher) stays
+    a few weight reads."""
+    return tuple(renderer.encode(text))
 
 
 def probe_of(renderer: Any, sampler: SamplerConfig) -> Probe:
-    """The run's probe: ``probe_prompt`` of ``PROBE_TEXT``, the run's sampler."""
-    return Probe(probe_prompt(renderer), sampler)
+    """The run's probe: ``probe_ids`` of ``PROBE_TEXT`` at ``sampler``'s temperature."""
+    return Probe(probe_ids(renderer), SamplerConfig(sampler.temperature))
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from closedloop.contracts import SamplerConfig
 from closedloop.engine import HFGenerator, LogprobInputError, sequence_logprobs
 from closedloop.policy import ContextOverflowError, GenerationError, Generator, StopMatcher
+from closedloop.policy.chat import ChatMessage
 from tests.policy.test_sampling import reference_logprobs
 
 NUCLEUS = SamplerConfig(temperature=0.7, top_p=0.9)
@@ -218,6 +219,40 @@ def test_behavior_logprobs_are_the_transformed_distribution(peaked_model, tokeni
                 assert beh == pytest.approx(want, abs=3e-4)
                 gaps.append(abs(beh - raw))
     assert max(gaps) > 0.1  # the raw model distribution is not the sampler's
+
+
+def test_score_is_the_behaviour_logprob_sampling_records_for_the_same_ids(
+        peaked_model, tokenizer, renderer):
+    """``score(ids)`` is, teacher-forced in one prefill, what sampling records: the sampler's
+    log-prob of each id after the ids before it. Scoring opens no session and changes none:
+    a session sampled after it samples what it would have without it."""
+    tempered = SamplerConfig(temperature=0.7)
+    prompt = renderer.encode(renderer.template.render_messages(
+        [ChatMessage("user", "Repair a.json")], add_generation_prompt=True))
+
+    def sample(gen):
+        sid = gen.open_session(prompt, stream=3)
+        (g,) = gen.generate_batch([sid], tempered, max_new_tokens=12)
+        gen.close(sid)
+        return g
+
+    gen = HFGenerator(peaked_model, tokenizer, seed=0)
+    g = sample(gen)
+    ids = list(prompt) + g.action_token_ids
+    scored = gen.score(ids, tempered)
+    assert len(scored) == len(ids) - 1 and not gen._sessions
+    # the decode path and one prefill differ only in fp32 summation order (~1e-4 here)
+    assert scored[len(prompt) - 1:] == pytest.approx(g.behavior_logprobs, abs=3e-4)
+    with torch.no_grad():
+        logits_T_V = peaked_model(torch.tensor([ids])).logits[0].double()
+    want = [reference_logprobs(logits_T_V[t].numpy(), tempered)[ids[t + 1]]
+            for t in range(len(ids) - 1)]
+    assert scored == pytest.approx(want, abs=3e-4)
+    assert sample(gen) == g  # the sessions' streams and caches are untouched
+    with pytest.raises(GenerationError, match="at least two ids"):
+        gen.score(ids[:1], tempered)
+    with pytest.raises(GenerationError, match="token ids must be in"):
+        gen.score([0, tokenizer.vocab_size + 5], tempered)
 
 
 def test_sequence_logprobs_padding_and_targets(tiny_model):

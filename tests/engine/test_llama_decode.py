@@ -42,6 +42,32 @@ def _run(copy, rows, steps):
     return out
 
 
+@pytest.mark.parametrize("packing", [False, True], ids=["strided", "packed"])
+def test_tail_logits_are_the_policy_logits_at_every_kept_position(tokenizer, packing,
+                                                                 monkeypatch):
+    """``tail_logits(keep=k)`` is the policy's logits at the last k positions of each row
+    (left padding invisible), and ``last_logits`` is its last column."""
+    if packing:
+        if not llama_decode.onednn_fp32_packing():
+            pytest.skip("torch has no oneDNN here: float32 weights stay strided")
+        monkeypatch.setattr(llama_decode, "FP32_PACK_MIN_WIDTH", 1)
+    model = _lora(tokenizer)
+    copy = LlamaDecodeCopy(model)
+    rows = [[5, 17, 300, 41, 9, 77, 12], [88, 3, 1000, 2000, 30]]
+    width, keep = 7, 4
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    pos = torch.tensor([[0] * (width - len(r)) + list(range(len(r))) for r in rows])
+    with torch.no_grad():
+        got = copy.tail_logits(ids, mask, pos, batch_cache([None, None], 0, width), keep)
+        last = copy.last_logits(ids, mask, pos, batch_cache([None, None], 0, width))
+        want = [model(input_ids=torch.tensor([r])).logits[0, -keep:] for r in rows]
+    assert got.shape == (2, keep, want[0].shape[-1])
+    for b in range(2):
+        assert torch.allclose(got[b], want[b], atol=1e-4, rtol=0)
+    assert torch.allclose(last, got[:, -1], atol=1e-5, rtol=0)  # other row counts, other sums
+
+
 @pytest.mark.parametrize("kv_heads", [None, 4], ids=["gqa", "mha"])
 def test_prefill_and_decode_equal_the_policy(tokenizer, kv_heads):
     model = _lora(tokenizer, kv_heads=kv_heads)

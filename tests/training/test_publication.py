@@ -223,7 +223,8 @@ def test_a_probe_served_from_other_weights_than_hashed_is_refused(tiny_agent_dir
                                                                   tmp_path: Path) -> None:
     """A worker that hashes v0001 (its checksum and digests are the staged ones) but whose
     engine serves v0000 is caught by the probe alone: its log-probs are v0000's, the trainer
-    path's reference is v0001's. The same ids with v0001's log-probs are accepted."""
+    path's reference is v0001's. Log-probs of other ids than the probe's are refused; the
+    probe's ids with v0001's log-probs are accepted."""
     from closedloop.training.weight_sync import Proof
 
     torch.set_num_threads(1)
@@ -236,17 +237,21 @@ def test_a_probe_served_from_other_weights_than_hashed_is_refused(tiny_agent_dir
     trainer.nudge(0.05)
     publish(publisher, trainer, "v0001")
     scorer = ProbeReference(trainer.model, registry, "float32")
-    ids = trainer.policy.renderer.encode("ls -la")
-    served = {v: scorer.logprobs(v, trainer.probe, ids) for v in ("v0000", "v0001")}
+    served = {v: scorer.logprobs(v, trainer.probe) for v in ("v0000", "v0001")}
+    assert len(served["v0001"]) == len(trainer.probe.ids) - 1
     assert max(abs(a - b) for a, b in zip(served["v0000"], served["v0001"], strict=True)) > 1e-3
 
-    def proof(logprobs: list[float]) -> Proof:
+    def proof(logprobs: list[float], ids: tuple[int, ...] = trainer.probe.ids) -> Proof:
         return Proof("w", "v0001", registry.manifest("v0001").weight_checksum,
-                     registry.tensor_digests("v0001"), tuple(ids), tuple(logprobs), 0.1)
+                     registry.tensor_digests("v0001"), ids, tuple(logprobs), 0.1)
 
     with pytest.raises(PublicationError, match=r"probe log-probs are .* from the trainer's"):
         publisher.acknowledge(proof(served["v0000"]))
     assert registry.active() is None and "w" in publisher.quarantined
+    publisher.quarantined.clear()
+    # the right log-probs for other ids (a worker scoring a probe of its own choosing)
+    with pytest.raises(PublicationError, match=r"scored another probe"):
+        publisher.acknowledge(proof(served["v0001"], (*trainer.probe.ids[1:], 7)))
     publisher.quarantined.clear()
     assert publisher.acknowledge(proof(served["v0001"]))
     assert registry.active() is not None and registry.active().version == "v0001"

@@ -1,7 +1,7 @@
 """A training run on Ray workers (``rollout.workers: ray``) on the session's local cluster: an
 environment worker killed mid-episode in the first RL step ends its episodes ``infra_abort``,
 the groups are discarded and counted in the ledger, and the run trains on to its summary with
-every version acknowledged by the generator workers that hashed it."""
+every version acknowledged by the generator workers that hashed it and scored its probe."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from closedloop.config import parse_config
 from closedloop.evaluate.gates.base import GateOptions
 from closedloop.evaluate.gates.traces import gate_weight_checksums
 from closedloop.evaluate.rundir import load_run
+from closedloop.policy.registry import PolicyRegistry
 from closedloop.rollout.ledger import Ledger
 from closedloop.rollout.ray_workers import RayCollection, remote_get
 from closedloop.training.loop import train
@@ -52,5 +53,10 @@ def test_a_run_on_ray_workers_survives_a_killed_environment_worker(tiny_agent_di
     assert aborted and all(t["reward"] is None for t in aborted)
     acks = sorted(p.name for p in (tmp_path / "run" / "registry" / "acks" / "v0001").iterdir())
     assert acks == ["generator-0.json", "ray-generator-0.json"]
+    # the Ray worker scored the fixed probe on its own engine, checked against the trainer path
+    proofs = PolicyRegistry(tmp_path / "run" / "registry").require_all_worker_checksums(
+        "v0001", ["generator-0", "ray-generator-0"])
+    assert proofs["ray-generator-0"].probe_ids == proofs["generator-0"].probe_ids
+    assert 0 <= proofs["ray-generator-0"].probe_max_abs_delta <= cfg.consistency.max_abs_tolerance
     gate = gate_weight_checksums(run, GateOptions())
     assert gate.passed is True, gate.detail

@@ -379,14 +379,18 @@ class RolloutWorker:
         self.generator, self._load = spec.build()
         self.checksum: str | None = None
 
-    def load(self, adapter_state: dict[str, Any], expected_checksum: str) -> Any:
+    def load(self, adapter_state: dict[str, Any], expected_checksum: str,
+             probe: Any = None) -> Any:
         """Hold a version's adapter; return the ``PolicyChecksum`` of what this worker now
-        holds and its per-tensor digests of the adapter (a failed load leaves it holding no
-        version: it collects nothing until the next)."""
+        holds, its per-tensor digests of the adapter and, given the run's ``probe``
+        (``closedloop.training.weight_sync.Probe``), the probe's log-probs scored by its own
+        generator (``()`` without one). A failed load leaves it holding no version: it
+        collects nothing until the next."""
         self.checksum = None
         held, digests = self._load(adapter_state, expected_checksum)
+        scored = () if probe is None else tuple(self.generator.score(probe.ids, probe.sampler))
         self.checksum = held.combined
-        return held, digests
+        return held, digests, scored
 
     def collect(self, manifest: PolicyManifest, leases: Sequence[GroupLease],
                 env_factory: Callable[[], AgentEnv], queue: Any) -> int:
@@ -433,14 +437,16 @@ class RayCollection:
     def _spawn(self) -> Any:
         return self._cls.options(num_cpus=self.cfg.generator_worker_cpus).remote(self.spec)
 
-    def load(self, adapter_state: dict[str, Any], expected_checksum: str) -> dict[str, Any]:
+    def load(self, adapter_state: dict[str, Any], expected_checksum: str,
+             probe: Any = None) -> dict[str, Any]:
         """Every generator worker holds the version; returns ``{worker: (PolicyChecksum,
-        per-tensor digests)}``, each hashed by the worker itself (a mismatch raises
-        ``ChecksumMismatchError``)."""
+        per-tensor digests, probe log-probs)}``, each computed by the worker itself from what
+        it holds (a checksum mismatch raises ``ChecksumMismatchError``; ``RolloutWorker.load``
+        for the probe)."""
         import ray
 
         ref = ray.put(adapter_state)
-        refs = [w.load.remote(ref, expected_checksum) for w in self.workers]
+        refs = [w.load.remote(ref, expected_checksum, probe) for w in self.workers]
         self.held = (adapter_state, expected_checksum)
         return {self.name(i): remote_get(r, self.cfg.call_timeout_s, self.name(i), w)
                 for i, (r, w) in enumerate(zip(refs, self.workers, strict=True))}

@@ -123,15 +123,19 @@ class Publisher:
                 raise PublicationError(f"{exc}; quarantined, the active version stays") from exc
             self.acknowledge(proof)
 
-    def acknowledge(self, proof: Proof) -> bool:
+    def acknowledge(self, proof: Proof, probe_proved: bool = False) -> bool:
         """Check a worker's proof and record its ACK; when every worker has proved the
         version, make it active (and swap it into every replica). Returns whether it is active
         now. A failing proof quarantines the worker and raises ``PublicationError``. An ACK of
         a version older than the active one (a worker re-collecting a round pinned to it
-        after a resume) is recorded and never moves the active version back."""
+        after a resume) is recorded and never moves the active version back.
+
+        With a probe reference, a proof must carry the probe's log-probs, unless
+        ``probe_proved``: the worker's probe was checked against the trainer path where it was
+        served (the vLLM replica's own proof, ``VLLMReplica.load_version``)."""
         version, worker = proof.version, proof.worker_id
         with self._lock:
-            problem, delta = self._check(proof)
+            problem, delta = self._check(proof, probe_proved)
             self.registry.ack(worker, version, proof.checksum, **proof.ack_fields(),
                               probe_max_abs_delta=delta)
             if problem is not None:
@@ -147,7 +151,7 @@ class Publisher:
                     replica.activate(version)
             return True
 
-    def _check(self, proof: Proof) -> tuple[str | None, float | None]:
+    def _check(self, proof: Proof, probe_proved: bool) -> tuple[str | None, float | None]:
         manifest = self.registry.manifest(proof.version)
         if proof.checksum != manifest.weight_checksum:
             return (f"it hashes its weights to {proof.checksum}, the manifest says "
@@ -157,8 +161,10 @@ class Publisher:
                         if staged.get(k) != proof.digests.get(k))
         if differ:
             return f"{len(differ)} tensors differ from the staged ones ({differ[0]})", None
-        if self.reference is None or self.probe is None or not proof.probe_ids:
+        if self.reference is None or self.probe is None:
             return None, None
+        if not proof.probe_ids and not proof.probe_logprobs:
+            return (None if probe_proved else "it sent no probe log-probs"), None
         if tuple(proof.probe_ids) != self.probe.ids or len(proof.probe_logprobs) != len(
                 self.probe.ids) - 1:
             return (f"it scored another probe ({len(proof.probe_ids)} ids, "

@@ -2,13 +2,15 @@
 
 ``rollout.workers: ray`` (``train --workers ray``): each round is rolled out by Ray generator
 workers over environment workers (``closedloop.rollout.ray_workers``); every worker loads each
-published version's adapter, hashes what it then holds and acknowledges that to the publisher,
-which activates a version only once every worker has. ``rollout.generator: vllm``: each
-round's actions are sampled by a vLLM engine process (``closedloop.engine.VLLMGenerator``)
-whose replica acknowledges a version only after hashing the adapter file its engine read and
-matching the trainer's probe log-probs (``VLLMReplica``; ``replica_proof`` in metrics.jsonl);
-the auditor then compares the engine's recorded log-probs with the trainer path on the round's
-own episodes (``generator_audit``; the run stops when it fails).
+published version's adapter, hashes what it then holds, scores the run's fixed probe on its own
+generator and acknowledges that to the publisher, which checks the probe against the trainer
+path at that version and activates a version only once every worker has.
+``rollout.generator: vllm``: each round's actions are sampled by a vLLM engine process
+(``closedloop.engine.VLLMGenerator``) whose replica acknowledges a version only after hashing
+the adapter file its engine read and matching the trainer's probe log-probs (``VLLMReplica``;
+``replica_proof`` in metrics.jsonl); the auditor then compares the engine's recorded log-probs
+with the trainer path on the round's own episodes (``generator_audit``; the run stops when it
+fails).
 
 Either way the run's verifier step scores the rollouts and commits the trace
 (``closedloop.training.collection.commit_trace``), and evaluations, the warm start and the
@@ -97,15 +99,18 @@ class _ScaleOut:
                            self.run.dir / BASE_DIR)
 
     def acknowledge(self, version: str,
-                    held: dict[str, tuple[PolicyChecksum, dict[str, str]]],
-                    load_s: float) -> None:
-        """Each worker's proof of what it holds (its own checksum and per-tensor digests) to
-        the publisher, which checks both against the staged version (the probe is checked by
-        the worker that serves it: the vLLM replica proves it before it answers)."""
+                    held: dict[str, tuple[PolicyChecksum, dict[str, str], tuple[float, ...]]],
+                    load_s: float, probe_proved: bool = False) -> None:
+        """Each worker's proof of what it holds (its own checksum, per-tensor digests and the
+        run's probe scored by its engine) to the publisher, which checks them against the staged
+        version. ``probe_proved``: the workers' probes were already checked where they were
+        served (the vLLM replica samples its own probe and sends no scores here)."""
         publisher = self.run.roles()[2]
-        for worker, (checksum, digests) in held.items():
+        probe = self.run.probe
+        for worker, (checksum, digests, scored) in held.items():
+            ids = probe.ids if scored and probe is not None else ()
             publisher.acknowledge(Proof(worker, version, checksum.combined, dict(digests),
-                                        (), (), load_s))
+                                        ids, tuple(scored), load_s), probe_proved)
 
     def held(self) -> str | None:
         """The combined checksum the workers hold (None before the first load)."""
@@ -192,11 +197,12 @@ class RayScaleOut(_ScaleOut):
         return None if self.collection.held is None else self.collection.held[1]
 
     def publish(self, version: str) -> None:
-        """Every generator worker loads ``version`` and acknowledges what it hashed."""
+        """Every generator worker loads ``version`` and acknowledges what it hashed and how it
+        scored the run's probe."""
         manifest = self.run.registry.manifest(version)
         t0 = time.monotonic()
         state = self.run.registry.load_state_dict(version)  # checksum verified on read
-        held = self.collection.load(state, manifest.weight_checksum)
+        held = self.collection.load(state, manifest.weight_checksum, self.run.probe)
         self.acknowledge(version, held, time.monotonic() - t0)
 
     def roll(self, manifest: PolicyManifest, leases: Sequence[Any], writer: TraceWriter,
@@ -283,7 +289,7 @@ class VLLMScaleOut(_ScaleOut):
         digests = {} if proof.digest_mismatches else run.registry.tensor_digests(version)
         self.acknowledge(version, {self.replica.worker_id: (PolicyChecksum(
             proof.base_checksum_loaded, proof.adapter_checksum_loaded, proof.checksum_loaded),
-            digests)}, proof.load_s)
+            digests, ())}, proof.load_s, probe_proved=True)
 
     def roll(self, manifest: PolicyManifest, leases: Sequence[Any], writer: TraceWriter,
              progress: Callable[[int], None]) -> list[RolloutGroup]:

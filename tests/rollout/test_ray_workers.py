@@ -29,6 +29,7 @@ from closedloop.rollout.ray_workers import (
 )
 from closedloop.rollout.source import GeneratorSource
 from closedloop.rollout.verifier_step import VerifierStep
+from closedloop.training.weight_sync import probe_of
 from closedloop.training.wiring import build_manifest
 
 T = 0.7
@@ -65,10 +66,13 @@ def setup(tmp_path_factory, ray_local):
     ray = RayCollection(spec, package.make_env, RayWorkersConfig(
         env_workers=2, env_worker_cpus=0.25, generator_workers=1, generator_worker_cpus=1.0,
         queue_capacity=2, call_timeout_s=120))
-    held = ray.load(adapter, checksum)
-    assert {w: c.combined for w, (c, _) in held.items()} == {"ray-generator-0": checksum}
-    (_, digests), = held.values()  # the worker's own digest of every adapter tensor it holds
+    probe = probe_of(renderer, SamplerConfig(T))
+    held = ray.load(adapter, checksum, probe)
+    assert {w: c.combined for w, (c, _, _) in held.items()} == {"ray-generator-0": checksum}
+    (_, digests, scored), = held.values()  # the worker's own digests, its own engine's probe
     assert digests == tensor_digests(adapter)
+    assert scored == pytest.approx(HFGenerator(policy, tok).score(probe.ids, probe.sampler),
+                                   abs=1e-4)
     local = Collector(GeneratorSource(HFGenerator(policy, tok, seed=0), renderer.action_text,
                                       SamplerConfig(T), 12, manifest.generator_build),
                       renderer, package.make_env, package.verifier(), package.family_split,

@@ -223,8 +223,8 @@ def test_a_probe_served_from_other_weights_than_hashed_is_refused(tiny_agent_dir
                                                                   tmp_path: Path) -> None:
     """A worker that hashes v0001 (its checksum and digests are the staged ones) but whose
     engine serves v0000 is caught by the probe alone: its log-probs are v0000's, the trainer
-    path's reference is v0001's. Log-probs of other ids than the probe's are refused; the
-    probe's ids with v0001's log-probs are accepted."""
+    path's reference is v0001's. Log-probs of other ids than the probe's, or none, are
+    refused; the probe's ids with v0001's log-probs are accepted."""
     from closedloop.training.weight_sync import Proof
 
     torch.set_num_threads(1)
@@ -252,6 +252,10 @@ def test_a_probe_served_from_other_weights_than_hashed_is_refused(tiny_agent_dir
     # the right log-probs for other ids (a worker scoring a probe of its own choosing)
     with pytest.raises(PublicationError, match=r"scored another probe"):
         publisher.acknowledge(proof(served["v0001"], (*trainer.probe.ids[1:], 7)))
+    publisher.quarantined.clear()
+    # no probe at all: refused, unless it was proved where it was served (the vLLM replica)
+    with pytest.raises(PublicationError, match=r"sent no probe log-probs"):
+        publisher.acknowledge(proof([], ()))
     publisher.quarantined.clear()
     assert publisher.acknowledge(proof(served["v0001"]))
     assert registry.active() is not None and registry.active().version == "v0001"

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from closedloop.contracts import PolicyManifest
-from closedloop.engine import matmul_precision, trainer_path_logprobs
+from closedloop.engine import trainer_probe_reference
 from closedloop.errors import PublicationError, RegistryError, ReplicaError
 from closedloop.policy.lora import PolicyChecksum, split_state_dict
 from closedloop.policy.registry import PolicyRegistry, version_index
@@ -69,12 +69,8 @@ class ProbeReference:
                 for name, tensor in self.registry.load_state_dict(version).items():
                     own[name].copy_(tensor)
             self.version = version
-        ids_1_T = torch.tensor([list(probe.ids)])
-        with torch.no_grad(), matmul_precision(self.model, self.precision):
-            out = trainer_path_logprobs(self.model, ids_1_T, torch.ones_like(ids_1_T),
-                                        torch.ones(1, len(probe.ids) - 1, dtype=torch.long),
-                                        False, temperature=probe.sampler.temperature)
-        return [float(x) for x in out[0]]
+        score = trainer_probe_reference(self.model, probe.sampler.temperature, self.precision)
+        return score(probe.ids[:1], probe.ids[1:])
 
 
 class Publisher:

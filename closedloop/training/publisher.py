@@ -53,24 +53,21 @@ class ProbeReference:
         self.registry = registry
         self.precision = precision
         self.version: str | None = None
-        self._scored: dict[tuple[str, Probe], list[float]] = {}
+        self._scored: dict[Probe, list[float]] = {}  # the loaded version's scores
 
     def logprobs(self, version: str, probe: Probe) -> list[float]:
         """``log π_version(ids[t] | ids[:t])`` for ``t = 1 .. n-1`` at the probe's temperature."""
-        key = (version, probe)
-        if key not in self._scored:
-            self._scored = {key: self._score(version, probe)}  # one version in flight at a time
-        return self._scored[key]
-
-    def _score(self, version: str, probe: Probe) -> list[float]:
         if self.version != version:
             own = split_state_dict(self.model)[1]
             with torch.no_grad():
                 for name, tensor in self.registry.load_state_dict(version).items():
                     own[name].copy_(tensor)
-            self.version = version
-        score = trainer_probe_reference(self.model, probe.sampler.temperature, self.precision)
-        return score(probe.ids[:1], probe.ids[1:])
+            self.version, self._scored = version, {}
+        if probe not in self._scored:
+            score = trainer_probe_reference(self.model, probe.sampler.temperature,
+                                            self.precision)
+            self._scored[probe] = score(probe.ids[:1], probe.ids[1:])
+        return self._scored[probe]
 
 
 class Publisher:

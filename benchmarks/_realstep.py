@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from closedloop.config import RunConfig
 from closedloop.contracts import load_episodes
 from closedloop.policy.registry import version_name
 from closedloop.rollout.work_orders import WorkOrder
+from closedloop.training.frozen_objects import frozen_objects
 from closedloop.training.resume import resume
 from closedloop.training.rl_step import rl_step
 from closedloop.training.run import Run, attach_roles, open_run, publish
@@ -75,16 +77,18 @@ class RealStep:
                  after_open: Callable[[Run], None] | None = None) -> None:
         t0 = time.perf_counter()
         self.run = open_run(cfg, folder)
+        self._frozen = ExitStack()
         try:
             if warm:
                 warm_start(self.run)
             if after_open is not None:
                 after_open(self.run)
             attach_roles(self.run)
+            self._frozen.enter_context(frozen_objects())  # as closedloop train does
             if not resume(self.run):
                 publish(self.run, version_name(0))
         except BaseException:
-            self.run.close()
+            self.close()
             raise
         trainer, worker, publisher = self.run.roles()
         self.trained: list[int] = []  # action tokens of each episode the update trained on
@@ -104,6 +108,7 @@ class RealStep:
                        "probe score": _Timed(worker.generator, "score")}
         if publisher.reference is not None:
             self.timers["probe reference"] = _Timed(publisher.reference, "logprobs")
+            self.timers["probe reference (primed)"] = _Timed(publisher.reference, "prime")
         self.setup_s = time.perf_counter() - t0
         self.next_step = 0
 
@@ -139,13 +144,15 @@ class RealStep:
             "checkpoint": timers["checkpoint"],
             "publication: stage": timers["stage"],
             "publication: replica proof (worker load, probe score, trainer's reference, ack)":
-            timers["prove"] + timers["acknowledge"],
-            "sampler, ledger marks, trainer checksum": secs.get("publish_s", 0.0)
-            - timers["checkpoint"] - timers["stage"] - timers["prove"] - timers["acknowledge"],
+            timers["prove"] + timers["acknowledge"] + timers.get("probe reference (primed)", 0.0),
+            "sampler, ledger marks, adapter copy and checksum": secs.get("publish_s", 0.0)
+            - timers["checkpoint"] - timers["stage"] - timers["prove"] - timers["acknowledge"]
+            - timers.get("probe reference (primed)", 0.0),
         }
         proof_parts = {"decode copy re-merge": timers["decode sync"],
                        "probe score": timers["probe score"],
-                       "trainer's reference": timers.get("probe reference", 0.0)}
+                       "trainer's reference": timers.get("probe reference", 0.0)
+                       + timers.get("probe reference (primed)", 0.0)}
         bookkeeping = wall - generation - environment - update
         action_tokens = sum(len(t.action_token_ids) for e in episodes for t in e.turns)
         observation_tokens = sum(len(t.prompt_token_ids) for e in episodes for t in e.turns
@@ -165,7 +172,10 @@ class RealStep:
 
     def close(self) -> None:
         """Close the run (its directory stays where the caller put it)."""
-        self.run.close()
+        try:
+            self._frozen.close()
+        finally:
+            self.run.close()
 
 
 def share_line(parts: dict[str, Any]) -> str:

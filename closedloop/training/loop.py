@@ -29,6 +29,7 @@ from closedloop.evaluate.package_check import check_before_training, record_chec
 from closedloop.evaluate.retain import retain_delta
 from closedloop.policy.registry import version_name
 from closedloop.progress import log
+from closedloop.training.frozen_objects import frozen_objects
 from closedloop.training.pipeline import run_rl
 from closedloop.training.publisher import publication_latency
 from closedloop.training.resume import resume
@@ -116,7 +117,8 @@ def opened_run(cfg: RunConfig, run_dir: str | Path, config_override: str | None 
         if cfg.sft.enabled:
             warm_start(run)
         attach_roles(run)
-        yield run
+        with frozen_objects():  # the set-up's objects out of the collector's walks
+            yield run
     finally:
         run.close()
 

@@ -21,7 +21,7 @@ disagrees.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -41,10 +41,15 @@ ManifestOf = Callable[[str, PolicyChecksum], PolicyManifest]
 
 
 class ProbeReference:
-    """The trainer path's log-probs of the probe at a staged version: its own copy of the
-    policy (``RolloutWorker.inference_copy`` of the trainer's), loaded from the registry, so
-    the reference is the version's, whatever the trainer holds by then. The probe's ids are
-    fixed, so a version's reference is computed once and compared with every worker's proof."""
+    """The trainer path's log-probs of the probe for a version's weights, on its own copy of
+    the policy (``RolloutWorker.inference_copy`` of the trainer's), so the reference is the
+    version's, whatever the trainer holds by then. The probe's ids are fixed, so the
+    reference for one set of weights is computed once and compared with every worker's proof.
+
+    The copy's weights are named by the version's ``weight_checksum``: ``logprobs`` loads a
+    version from the registry (verified on read) unless the copy already holds weights of that
+    checksum, which ``prime`` gives it straight from the trainer's adapter before the version
+    is staged (the synchronous step scores the probe while its checkpoint is written)."""
 
     def __init__(self, model: Any, registry: PolicyRegistry, precision: str) -> None:
         from closedloop.training.rollout_worker import inference_copy
@@ -52,17 +57,34 @@ class ProbeReference:
         self.model = inference_copy(model)
         self.registry = registry
         self.precision = precision
-        self.version: str | None = None
-        self._scored: dict[Probe, list[float]] = {}  # the loaded version's scores
+        self.held: str | None = None  # the weight checksum of what the copy holds
+        self._scored: dict[Probe, list[float]] = {}  # scores of the weights held
+
+    def prime(self, checksum: str, adapter: Mapping[str, torch.Tensor], probe: Probe) -> None:
+        """Hold ``adapter`` (whose policy checksum, base included, is ``checksum``) and score
+        ``probe`` on it now."""
+        if self.held != checksum:
+            self._hold(checksum, adapter)
+        self._score(probe)
 
     def logprobs(self, version: str, probe: Probe) -> list[float]:
         """``log π_version(ids[t] | ids[:t])`` for ``t = 1 .. n-1`` at the probe's temperature."""
-        if self.version != version:
-            own = split_state_dict(self.model)[1]
-            with torch.no_grad():
-                for name, tensor in self.registry.load_state_dict(version).items():
-                    own[name].copy_(tensor)
-            self.version, self._scored = version, {}
+        checksum = self.registry.manifest(version).weight_checksum
+        if self.held != checksum:
+            self._hold(checksum, self.registry.load_state_dict(version))
+        return self._score(probe)
+
+    def _hold(self, checksum: str, adapter: Mapping[str, torch.Tensor]) -> None:
+        own = split_state_dict(self.model)[1]
+        if set(adapter) != set(own):
+            raise RegistryError("the reference's adapter tensors are not the policy's adapter's")
+        self.held, self._scored = None, {}
+        with torch.no_grad():
+            for name, tensor in adapter.items():
+                own[name].copy_(tensor)
+        self.held = checksum
+
+    def _score(self, probe: Probe) -> list[float]:
         if probe not in self._scored:
             score = trainer_probe_reference(self.model, probe.sampler.temperature,
                                             self.precision)

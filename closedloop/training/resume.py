@@ -10,8 +10,10 @@ the ledger mark the step's groups consumed and the publisher stage the output ve
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+import torch
 
 from closedloop.errors import LedgerInconsistencyError, RunStateError
 from closedloop.learn.checkpoint import capture_rng_states, restore_rng_states
@@ -27,8 +29,11 @@ from closedloop.training.run import Run, publish
 __all__ = ["checkpoint", "commit_step", "resume"]
 
 
-def checkpoint(run: Run, step: int, version: str) -> None:
-    """Commit trainer checkpoint ``step`` (output ``version``) atomically."""
+def checkpoint(run: Run, step: int, version: str, *,
+               adapter: Mapping[str, torch.Tensor] | None = None) -> None:
+    """Commit trainer checkpoint ``step`` (output ``version``) atomically. ``adapter``: the
+    trainer's adapter as already copied (``TrainerRole.adapter_state``; copied now if
+    ``None``)."""
     trainer, worker, _ = run.roles()
     state = run.state
     extra: dict[str, Any] = {"sft_tokens": state.sft_tokens,
@@ -39,23 +44,28 @@ def checkpoint(run: Run, step: int, version: str) -> None:
         extra["work_orders"] = pending
     save_critic(run, step)  # the GAE critic beside this checkpoint, written before it commits
     trainer.checkpoint(run.dir / "checkpoints", step, version, sorted(state.consumed),
-                       capture_rng_states({"generator": worker.rng}), extra)
+                       capture_rng_states({"generator": worker.rng}), extra, adapter=adapter)
 
 
 def commit_step(run: Run, step: int, admitted: Sequence[CollectedGroup], output: str, *,
                 publish_inline: bool = True) -> None:
     """After step ``step``'s update: checkpoint ``step + 1`` (the commit point), mark the
     admitted groups consumed in the ledger, stage ``output``; with ``publish_inline`` the
-    worker loads and acknowledges it at once (else at its next round boundary)."""
+    worker loads and acknowledges it at once (else at its next round boundary). The adapter
+    is copied and hashed once for all three, and the publisher's reference scores the probe
+    on that copy (``ProbeReference.prime``) instead of reading the version back."""
     run.state.consumed.update(g.lease.group_id for g in admitted)
-    checkpoint(run, step + 1, output)
+    trainer, _, publisher = run.roles()
+    adapter, checksum = trainer.adapter_state(), trainer.checksum()
+    checkpoint(run, step + 1, output, adapter=adapter)
     if admitted:
         run.ctx.ledger.mark_consumed([g.lease.group_id for g in admitted], step + 1, output)
+    if publisher.reference is not None and publisher.probe is not None:
+        publisher.reference.prime(checksum.combined, adapter, publisher.probe)
     if publish_inline:
-        publish(run, output)
+        publish(run, output, adapter=adapter, checksum=checksum)
     else:
-        trainer, _, publisher = run.roles()
-        publisher.stage(output, trainer.adapter_state(), trainer.checksum())
+        publisher.stage(output, adapter, checksum)
 
 
 def resume(run: Run) -> bool:

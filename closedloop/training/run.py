@@ -342,11 +342,15 @@ def group_drift(run: Run, group: Any) -> float | None:
                         temperature=run.cfg.rollout.temperature)
 
 
-def publish(run: Run, version: str) -> PolicyManifest:
+def publish(run: Run, version: str, *, adapter: dict[str, torch.Tensor] | None = None,
+            checksum: PolicyChecksum | None = None) -> PolicyManifest:
     """Stage the trainer's adapter as ``version`` (every replica proves it); the in-process
-    worker loads it and proves what it holds; the version becomes active."""
+    worker loads it and proves what it holds; the version becomes active. ``adapter`` and
+    ``checksum``: the trainer's, as already copied and computed (taken now when ``None``)."""
     trainer, _, publisher = run.roles()
-    manifest = publisher.stage(version, trainer.adapter_state(), trainer.checksum())
+    manifest = publisher.stage(version,
+                               trainer.adapter_state() if adapter is None else adapter,
+                               trainer.checksum() if checksum is None else checksum)
     prove_and_acknowledge(run, version)
     if run.scale is not None:  # Ray workers or the vLLM replica (training.scale_out)
         run.scale.publish(version)

@@ -93,11 +93,14 @@ class TrainerRole:
                                               torch.tensor(list(success)))
 
     def checkpoint(self, directory: Any, step: int, version: str, consumed: Sequence[str],
-                   rng_states: Mapping[str, Any], extra: Mapping[str, Any]) -> None:
+                   rng_states: Mapping[str, Any], extra: Mapping[str, Any], *,
+                   adapter: Mapping[str, torch.Tensor] | None = None) -> None:
         """Commit checkpoint ``step`` (adapter, optimizer, RNG states, consumed group ids,
-        output version, ``extra``) atomically."""
-        save_checkpoint(directory, step, self.adapter_state(), self.optimizer.state_dict(),
-                        version, sorted(consumed), rng_states, extra)
+        output version, ``extra``) atomically. ``adapter``: ``adapter_state()`` as already
+        copied (copied now when ``None``)."""
+        save_checkpoint(directory, step, self.adapter_state() if adapter is None else adapter,
+                        self.optimizer.state_dict(), version, sorted(consumed), rng_states,
+                        extra)
 
     def restore(self, ckpt: Checkpoint) -> None:
         """Load a checkpoint's adapter and optimizer state; the step count follows it."""

@@ -259,3 +259,35 @@ def test_a_probe_served_from_other_weights_than_hashed_is_refused(tiny_agent_dir
     publisher.quarantined.clear()
     assert publisher.acknowledge(proof(served["v0001"]))
     assert registry.active() is not None and registry.active().version == "v0001"
+
+
+def test_a_primed_reference_is_the_versions_without_reading_it_back(
+        tiny_agent_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``prime`` scores the probe on the trainer's adapter before the version is staged; the
+    proof of the version staged from those very weights is then checked against that score
+    without reading the version back, and it is the score a reference loading the version
+    from the registry computes. Another version's weights are still read from the registry."""
+    torch.set_num_threads(1)
+    trainer = Trainer(tiny_agent_dir)
+    registry = PolicyRegistry(tmp_path / "registry")
+    publisher = Publisher(registry, ["w"], trainer.manifest)
+    publish(publisher, trainer, "v0000")
+    trainer.nudge(0.05)
+    primed = ProbeReference(trainer.model, registry, "float32")
+    primed.prime(trainer.checksum().combined, trainer.adapter(), trainer.probe)
+    publish(publisher, trainer, "v0001")
+    fresh = ProbeReference(trainer.model, registry, "float32")
+    loads: list[str] = []
+    read = registry.load_state_dict
+
+    def counted(version: str) -> dict[str, torch.Tensor]:
+        loads.append(version)
+        return read(version)
+
+    monkeypatch.setattr(registry, "load_state_dict", counted)
+    assert primed.logprobs("v0001", trainer.probe) == fresh.logprobs("v0001", trainer.probe)
+    assert loads == ["v0001"]  # the fresh reference's read; the primed one read nothing
+    v0 = primed.logprobs("v0000", trainer.probe)
+    assert loads == ["v0001", "v0000"]
+    assert v0 == fresh.logprobs("v0000", trainer.probe)
+    assert v0 != primed.logprobs("v0001", trainer.probe)

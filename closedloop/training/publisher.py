@@ -49,7 +49,9 @@ class ProbeReference:
     The copy's weights are named by the version's ``weight_checksum``: ``logprobs`` loads a
     version from the registry (verified on read) unless the copy already holds weights of that
     checksum, which ``prime`` gives it straight from the trainer's adapter before the version
-    is staged (the synchronous step scores the probe while its checkpoint is written)."""
+    is staged (``closedloop.training.resume.commit_step``). One call at a time holds and
+    scores: under ``rollout.mode: async`` the trainer's thread primes while the generator's
+    thread may be having an older version's proof checked."""
 
     def __init__(self, model: Any, registry: PolicyRegistry, precision: str) -> None:
         from closedloop.training.rollout_worker import inference_copy
@@ -59,20 +61,23 @@ class ProbeReference:
         self.precision = precision
         self.held: str | None = None  # the weight checksum of what the copy holds
         self._scored: dict[Probe, list[float]] = {}  # scores of the weights held
+        self._lock = threading.Lock()
 
     def prime(self, checksum: str, adapter: Mapping[str, torch.Tensor], probe: Probe) -> None:
         """Hold ``adapter`` (whose policy checksum, base included, is ``checksum``) and score
         ``probe`` on it now."""
-        if self.held != checksum:
-            self._hold(checksum, adapter)
-        self._score(probe)
+        with self._lock:
+            if self.held != checksum:
+                self._hold(checksum, adapter)
+            self._score(probe)
 
     def logprobs(self, version: str, probe: Probe) -> list[float]:
         """``log π_version(ids[t] | ids[:t])`` for ``t = 1 .. n-1`` at the probe's temperature."""
         checksum = self.registry.manifest(version).weight_checksum
-        if self.held != checksum:
-            self._hold(checksum, self.registry.load_state_dict(version))
-        return self._score(probe)
+        with self._lock:
+            if self.held != checksum:
+                self._hold(checksum, self.registry.load_state_dict(version))
+            return self._score(probe)
 
     def _hold(self, checksum: str, adapter: Mapping[str, torch.Tensor]) -> None:
         own = split_state_dict(self.model)[1]

@@ -98,7 +98,8 @@ def claim_suite_lines(claims: dict[str, Any]) -> list[str]:
         for key in ("rl_minus_null", "rl_minus_frozen", "null_minus_frozen"):
             d = c.get(key) or {}
             cells.append(f"{d['estimate']:+.3f} [{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}]"
-                         if d.get("measured") else "-")
+                         if d.get("measured") else f"not measured (all {d['no_signal']})"
+                         if d.get("no_signal") else "-")
         lines.append(f"{c['title']:32} " + " | ".join(cells))
     return lines
 

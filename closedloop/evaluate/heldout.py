@@ -21,6 +21,7 @@ from closedloop.evaluate.stats import (
     paired_bootstrap_ci,
     pass_at_k,
     pass_hat_k,
+    uniform_outcome,
 )
 
 
@@ -132,8 +133,9 @@ def summarize_eval(episodes: Sequence[Episode], k: int = 3, seed: int = 0) -> Ev
 def paired_difference(a: EvalSummary | None, b: EvalSummary | None, seed: int,
                       what: str, n_boot: int | None = None) -> dict[str, Any]:
     """Paired bootstrap CI of per-task success ``a - b`` over the tasks scored in both
-    (``measured`` False, with the reason, when an evaluation is missing or fewer than 2 tasks
-    are common); ``what`` names the comparison."""
+    (``measured`` False, with the reason, when an evaluation is missing, fewer than 2 tasks
+    are common, or every attempt of both failed — or every one succeeded: ``no_signal``, see
+    ``closedloop.evaluate.stats.uniform_outcome``); ``what`` names the comparison."""
     if a is None or b is None:
         return {"what": what, "measured": False, "detail": "an evaluation is missing"}
     sa, sb = a.per_task_success(), b.per_task_success()
@@ -141,6 +143,11 @@ def paired_difference(a: EvalSummary | None, b: EvalSummary | None, seed: int,
     if len(common) < 2:
         return {"what": what, "measured": False, "tasks": len(common),
                 "detail": f"{len(common)} tasks scored in both evaluations (need 2)"}
+    outcome = uniform_outcome({k: sa[k] for k in common}, {k: sb[k] for k in common})
+    if outcome is not None:
+        return {"what": what, "measured": False, "tasks": len(common), "no_signal": outcome,
+                "detail": f"every attempt on both sides {outcome} over {len(common)} tasks: "
+                          "no signal to compare"}
     ci = paired_bootstrap_ci({k: sa[k] for k in common}, {k: sb[k] for k in common},
                              **({} if n_boot is None else {"n_boot": n_boot}), seed=seed)
     return {"what": what, "measured": True, "tasks": len(common), "estimate": ci.estimate,

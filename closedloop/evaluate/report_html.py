@@ -174,7 +174,9 @@ def _retain_html(retain: Mapping[str, Any]) -> str:
     if not retain.get("measured"):
         return f"<p>Retain suites: {_fmt(retain.get('detail'))}.</p>"
     rows = [[name, s["before"], s["after"], s["delta"], [s["ci_lo"], s["ci_hi"]]
-             if s["ci_lo"] is not None else None, s["n_paired"], s["significant_regression"]]
+             if s["ci_lo"] is not None else None, s["n_paired"],
+             s["significant_regression"] if s.get("measured", True)
+             else f"not measured: every attempt {s.get('no_signal') or 'unscored'} at both points"]
             for name, s in retain["suites"].items()]
     return _table(["suite", "start", "final", "delta", "95% CI", "tasks",
                    "significant regression"], rows, "retain-table")

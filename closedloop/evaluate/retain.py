@@ -24,7 +24,7 @@ from closedloop.contracts import Episode
 from closedloop.contracts.package import EnvPackage
 from closedloop.errors import EnvPackageError, RetainSuiteMismatchError
 from closedloop.evaluate.heldout import EvalSummary, summarize_eval
-from closedloop.evaluate.stats import paired_bootstrap_ci
+from closedloop.evaluate.stats import paired_bootstrap_ci, uniform_outcome
 
 
 class SuiteScores(Protocol):
@@ -85,10 +85,18 @@ class SuiteDelta:
     ci_hi: float | None
     alpha: float
 
+    no_signal: str | None = None  # "failed"/"succeeded": every attempt at both points did
+
     @property
     def significant_regression(self) -> bool:
         """The whole interval lies below 0."""
         return self.ci_hi is not None and self.ci_hi < 0.0
+
+    @property
+    def measured(self) -> bool:
+        """Whether the suite could show a change: tasks scored at both points, and not every
+        attempt at both failed (nothing could regress) or succeeded (nothing could gain)."""
+        return self.n_paired > 0 and self.no_signal is None
 
 
 @dataclass(frozen=True)
@@ -107,7 +115,8 @@ class RetainDelta:
         """JSON form (one entry per suite, with ``significant_regression``)."""
         return {"n_boot": self.n_boot, "seed": self.seed,
                 "suites": {s.suite: {**s.__dict__,
-                                     "significant_regression": s.significant_regression}
+                                     "significant_regression": s.significant_regression,
+                                     "measured": s.measured}
                            for s in self.suites}}
 
 
@@ -121,7 +130,8 @@ def _suite_delta(suite: str, before: Mapping[str, float], after: Mapping[str, fl
     a = {t: after[t] for t in common}
     ci = paired_bootstrap_ci(a, b, n_boot, seed=seed, alpha=alpha)
     return SuiteDelta(suite, len(common), unpaired, sum(b.values()) / len(b),
-                      sum(a.values()) / len(a), ci.estimate, ci.lo, ci.hi, alpha)
+                      sum(a.values()) / len(a), ci.estimate, ci.lo, ci.hi, alpha,
+                      uniform_outcome(b, a))
 
 
 def retain_delta(start: Mapping[str, SuiteScores], final: Mapping[str, SuiteScores], *,

@@ -32,6 +32,7 @@ __all__ = [
     "paired_bootstrap_ci",
     "pass_at_k",
     "pass_hat_k",
+    "uniform_outcome",
     "wilson_interval",
 ]
 
@@ -156,3 +157,18 @@ def paired_bootstrap_ci(
     diff = _paired(a_by_task, b_by_task)
     _check_bootstrap(diff.size, n_boot, alpha)
     return _percentile_ci(diff, n_boot, seed, alpha)
+
+
+def uniform_outcome(*by_task: Mapping[str, float]) -> str | None:
+    """``"failed"`` when every task of every mapping scored 0, ``"succeeded"`` when every one
+    scored 1, else ``None``. A paired difference between evaluations with a uniform outcome is
+    0 with a zero-width interval whatever the policies: no evidence that they agree, and no
+    room for a regression (all 0) or a gain (all 1) to show, so it is not a measurement."""
+    rates = [float(r) for m in by_task for r in m.values()]
+    if not rates:
+        return None
+    if max(rates) == 0.0:
+        return "failed"
+    if min(rates) == 1.0:
+        return "succeeded"
+    return None

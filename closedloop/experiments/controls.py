@@ -29,7 +29,7 @@ from closedloop.contracts import load_episodes
 from closedloop.engine import PrecisionChoice
 from closedloop.errors import RunStateError
 from closedloop.evaluate.heldout import EvalSummary, summarize_eval
-from closedloop.evaluate.stats import paired_bootstrap_ci
+from closedloop.evaluate.stats import paired_bootstrap_ci, uniform_outcome
 from closedloop.experiments.credit_arm import OPTIONAL_ARMS, arm_compute, credit_arm_config
 from closedloop.learn.null_control import RewardControl
 from closedloop.policy.registry import atomic_write_bytes, version_name
@@ -255,9 +255,12 @@ def _compute_and_credit_arm(cfg: RunConfig, arms: dict[str, Path],
 def paired_diff(treated: dict[str, float], base: dict[str, float],
                 seed: int) -> dict[str, Any] | None:
     """Per-task ``treated − base`` over the tasks scored in both, with its paired bootstrap
-    interval (``estimate``, ``lo``, ``hi``, ``n_tasks``, ``excludes_zero``); None below 2."""
+    interval (``estimate``, ``lo``, ``hi``, ``n_tasks``, ``excludes_zero``); None below 2
+    tasks, and None when every attempt of both failed or every one succeeded (no signal:
+    ``closedloop.evaluate.stats.uniform_outcome``)."""
     common = sorted(set(treated) & set(base))
-    if len(common) < 2:
+    if len(common) < 2 or uniform_outcome({t: treated[t] for t in common},
+                                          {t: base[t] for t in common}):
         return None
     ci = paired_bootstrap_ci({t: treated[t] for t in common}, {t: base[t] for t in common},
                              seed=seed)

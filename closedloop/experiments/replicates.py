@@ -33,7 +33,7 @@ from typing import Any
 
 from closedloop.config import RunConfig
 from closedloop.errors import ConfigDriftError
-from closedloop.evaluate.stats import paired_bootstrap_ci
+from closedloop.evaluate.stats import paired_bootstrap_ci, uniform_outcome
 from closedloop.experiments.controls import ARMS, paired_diff, run_experiment
 from closedloop.policy.registry import atomic_write_bytes
 from closedloop.progress import log
@@ -164,9 +164,10 @@ def _pool_pair(results: list[dict[str, Any]], suite_arms: list[dict[str, Any]], 
     entry: dict[str, Any] = {"baseline": baseline, "per_replicate": per_rep,
                              "replicates_with_gain": sum(
                                  1 for p in per_rep if (p[key] or {}).get("lo", 0) > 0)}
-    if len(complete) >= 2:
-        ci = paired_bootstrap_ci({t: sum(treated[t]) / len(treated[t]) for t in complete},
-                                 {t: sum(base[t]) / len(base[t]) for t in complete}, seed=seed)
+    pooled_a = {t: sum(treated[t]) / len(treated[t]) for t in complete}
+    pooled_b = {t: sum(base[t]) / len(base[t]) for t in complete}
+    if len(complete) >= 2 and uniform_outcome(pooled_a, pooled_b) is None:  # else no signal
+        ci = paired_bootstrap_ci(pooled_a, pooled_b, seed=seed)
         entry["pooled"] = {"estimate": ci.estimate, "lo": ci.lo, "hi": ci.hi, "tasks": ci.n,
                            "replicates": len(results), "excludes_zero": ci.lo > 0 or ci.hi < 0}
     return entry

@@ -130,3 +130,24 @@ def test_the_cli_prints_the_three_comparisons_by_suite(tmp_path: Path) -> None:
                                        "+0.500]", "|", "+0.500", "[+0.500,", "+0.500]", "|",
                                        "+0.000", "[+0.000,", "+0.000]"]
     assert lines[-1].startswith("claim: Capability gain: held-out success RL final - shuffled")
+
+
+def test_a_suite_where_every_attempt_of_both_arms_failed_is_untested_not_passed(
+        tmp_path: Path) -> None:
+    """The null cannot show a gain where every attempt of the null and of its baseline
+    failed: such a suite is listed without signal, never among the suites it passed on, and
+    the claim's rows for it say not measured."""
+    exp = _copy(tmp_path)
+    family = syn.tasks("heldout", 4)
+    _eval(exp / "arms" / "frozen", "start-family", family, _never)
+    _eval(exp / "arms" / "rloo", "final-family", family, _never)
+    _eval(exp / "arms" / "shuffled", "final-family", family, _never)
+    g = _gate(exp)
+    row = g.evidence["suites"]["family"]
+    assert not row["measured"] and row["no_signal"] == "failed"
+    assert g.evidence["without_signal"] and "family" in g.evidence["without_signal"][0]
+    assert g.passed is True and "no stable gain on 1 suites: heldout" in g.detail
+    assert "without signal, so untested: family" in g.detail
+    claim = build_report(exp, evaluate_gates(exp))["claim_by_suite"]["family"]
+    assert all(not claim[k]["measured"] and claim[k]["no_signal"] == "failed"
+               for k in ("rl_minus_null", "rl_minus_frozen", "null_minus_frozen"))

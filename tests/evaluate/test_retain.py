@@ -103,3 +103,20 @@ def test_split_by_suite_rejects_non_retain_episodes():
     suites = retain_suite_tasks(terminal_package(), list(RETAIN_SUITES))
     with pytest.raises(RetainSuiteMismatchError, match="in none of the retain suites"):
         split_by_suite([Episode(make_traj(), ())], suites)
+
+
+def test_a_suite_failed_throughout_is_not_measured():
+    """Every attempt failed before and after: Δ = 0 with a zero-width interval whatever the
+    policies did, and no regression could show; the suite is not measured (nor when every
+    attempt succeeded). One success anywhere makes it a measurement."""
+    start = {"safety": Rates({"a": 0.0, "b": 0.0}), "base_tool_use": Rates({"a": 1.0, "b": 1.0}),
+             "instruction_following": Rates({"a": 0.0, "b": 0.0})}
+    final = {"safety": Rates({"a": 0.0, "b": 0.0}), "base_tool_use": Rates({"a": 1.0, "b": 1.0}),
+             "instruction_following": Rates({"a": 0.0, "b": 0.5})}
+    by_suite = {d.suite: d for d in retain_delta(start, final).suites}
+    assert by_suite["safety"].no_signal == "failed" and not by_suite["safety"].measured
+    assert by_suite["base_tool_use"].no_signal == "succeeded"
+    assert not by_suite["base_tool_use"].measured
+    assert by_suite["instruction_following"].measured
+    out = retain_delta(start, final).to_dict()["suites"]
+    assert out["safety"]["measured"] is False and out["instruction_following"]["measured"] is True

@@ -150,3 +150,35 @@ def test_paired_bootstrap_ci_coverage() -> None:
         widths.append(ci.hi - ci.lo)
     assert 0.88 <= covered / 200 <= 0.99
     assert float(np.mean(widths)) < 0.1  # unpaired would be ~0.26 wide (difficulty SD .29)
+
+
+@given(st.lists(st.sampled_from([0.0, 0.25, 0.5, 1.0]), min_size=1, max_size=12),
+       st.integers(min_value=1, max_value=11))
+def test_uniform_outcome_is_all_failed_or_all_succeeded(rates: list[float], cut: int) -> None:
+    from closedloop.evaluate.stats import uniform_outcome
+
+    a = {f"t{i}": r for i, r in enumerate(rates[:cut])}
+    b = {f"t{i}": r for i, r in enumerate(rates[cut:])}
+    expected = ("failed" if max(rates) == 0.0 else "succeeded" if min(rates) == 1.0
+                else None)
+    assert uniform_outcome(a, b) == expected
+    assert uniform_outcome() is None and uniform_outcome({}, {}) is None
+
+
+def test_a_paired_difference_of_uniform_outcomes_is_not_measured() -> None:
+    from closedloop.evaluate.heldout import paired_difference
+
+    class Scores:
+        def __init__(self, rates: dict[str, float]) -> None:
+            self.rates = rates
+
+        def per_task_success(self) -> dict[str, float]:
+            return dict(self.rates)
+
+    zeros, ones = Scores({"a": 0.0, "b": 0.0}), Scores({"a": 1.0, "b": 1.0})
+    none = paired_difference(zeros, zeros, 0, "x")  # type: ignore[arg-type]
+    assert none["measured"] is False and none["no_signal"] == "failed" and "estimate" not in none
+    all_won = paired_difference(ones, ones, 0, "x")  # type: ignore[arg-type]
+    assert all_won["measured"] is False and all_won["no_signal"] == "succeeded"
+    gained = paired_difference(ones, zeros, 0, "x")  # type: ignore[arg-type]
+    assert gained["measured"] and gained["estimate"] == 1.0

@@ -117,7 +117,10 @@ def gate_shuffled_control(run: RunDir, opts: GateOptions) -> Gate:
     family-disjoint and every retain suite (``closedloop.evaluate.claim``), the paired bootstrap
     interval of (shuffled final − frozen) by task must not lie above 0. A suite the RL arm was
     evaluated on but the shuffled arm was not is not measured, and so is the gate (a null
-    checked on fewer suites than the claim proves nothing about the others). Counted only when
+    checked on fewer suites than the claim proves nothing about the others). A suite where
+    every attempt of both arms failed (or every one succeeded) cannot show a gain: it is listed
+    as without signal, not counted as passing; with no suite left, the gate is not measured.
+    Counted only when
     the RL arm had a learning signal (``learning_signal``); otherwise not measured. Baseline:
     the frozen arm (held-out: its final evaluation, else its start one; other suites: its
     start), else the shuffled arm's own start."""
@@ -137,14 +140,16 @@ def gate_shuffled_control(run: RunDir, opts: GateOptions) -> Gate:
         start = eval_summary(arms.shuffled, "start")
         suites = [replace(s, frozen=start) if s.suite == "heldout" else s for s in suites]
     rows: dict[str, Any] = {}
-    problems, unmeasured = [], []
+    problems, unmeasured, silent = [], [], []
     for s in suites:
         c = paired_difference(s.shuffled, s.frozen, opts.seed,
                               f"shuffled final - {'frozen' if arms.frozen else 'start'} "
                               f"({s.title})", n_boot=opts.bootstrap)
         rows[s.suite] = c
         if not c["measured"]:
-            if s.rl is not None:
+            if c.get("no_signal"):
+                silent.append(f"{s.suite} (every attempt of both arms {c['no_signal']})")
+            elif s.rl is not None:
                 unmeasured.append(f"{s.suite} ({c.get('detail')})")
             continue
         lo, hi = c["ci"]
@@ -152,15 +157,18 @@ def gate_shuffled_control(run: RunDir, opts: GateOptions) -> Gate:
             problems.append(f"{s.suite}: shuffled rewards gained {c['estimate']:+.3f} "
                             f"[{lo:+.3f}, {hi:+.3f}] over {c['tasks']} tasks")
     evidence = {"baseline": "frozen" if arms.frozen else "shuffled start", "suites": rows,
-                "not_measured": unmeasured, "experiment": str(experiment_of(run.path))}
+                "not_measured": unmeasured, "without_signal": silent,
+                "experiment": str(experiment_of(run.path))}
     measured = [k for k, c in rows.items() if c["measured"]]
     if problems:
         return make_gate("shuffled_reward_control", problems, evidence, "")
     if unmeasured or not measured:
         return Gate("shuffled_reward_control", None, evidence,
-                    "not measured on every suite: " + (", ".join(unmeasured) or "no suite "
-                                                       "with both arms evaluated"))
+                    "not measured on every suite: " + (", ".join(unmeasured + silent)
+                                                       or "no suite with both arms evaluated"))
     spans = "; ".join(f"{k} {rows[k]['estimate']:+.3f} [{rows[k]['ci'][0]:+.3f}, "
                       f"{rows[k]['ci'][1]:+.3f}]" for k in measured)
+    untested = f"; without signal, so untested: {', '.join(silent)}" if silent else ""
     return make_gate("shuffled_reward_control", [], evidence,
-                     f"shuffled - baseline, no stable gain on {len(measured)} suites: {spans}")
+                     f"shuffled - baseline, no stable gain on {len(measured)} suites: "
+                     f"{spans}{untested}")

@@ -120,8 +120,8 @@ def gate_shuffled_control(run: RunDir, opts: GateOptions) -> Gate:
     checked on fewer suites than the claim proves nothing about the others). A suite where
     every attempt of both arms failed (or every one succeeded) cannot show a gain: it is listed
     as without signal, not counted as passing; with no suite left, the gate is not measured.
-    Counted only when
-    the RL arm had a learning signal (``learning_signal``); otherwise not measured. Baseline:
+    Counted only when the RL arm had a learning signal (``learning_signal``); otherwise not
+    measured. Baseline:
     the frozen arm (held-out: its final evaluation, else its start one; other suites: its
     start), else the shuffled arm's own start."""
     signal = learning_signal(run)

@@ -143,12 +143,13 @@ def paired_difference(a: EvalSummary | None, b: EvalSummary | None, seed: int,
     if len(common) < 2:
         return {"what": what, "measured": False, "tasks": len(common),
                 "detail": f"{len(common)} tasks scored in both evaluations (need 2)"}
-    outcome = uniform_outcome({k: sa[k] for k in common}, {k: sb[k] for k in common})
+    ca, cb = {k: sa[k] for k in common}, {k: sb[k] for k in common}
+    outcome = uniform_outcome(ca, cb)
     if outcome is not None:
         return {"what": what, "measured": False, "tasks": len(common), "no_signal": outcome,
                 "detail": f"every attempt on both sides {outcome} over {len(common)} tasks: "
                           "no signal to compare"}
-    ci = paired_bootstrap_ci({k: sa[k] for k in common}, {k: sb[k] for k in common},
-                             **({} if n_boot is None else {"n_boot": n_boot}), seed=seed)
+    ci = paired_bootstrap_ci(ca, cb, **({} if n_boot is None else {"n_boot": n_boot}),
+                             seed=seed)
     return {"what": what, "measured": True, "tasks": len(common), "estimate": ci.estimate,
             "ci": [ci.lo, ci.hi], "n_boot": ci.n_boot, "alpha": ci.alpha}

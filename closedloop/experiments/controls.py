@@ -259,11 +259,10 @@ def paired_diff(treated: dict[str, float], base: dict[str, float],
     tasks, and None when every attempt of both failed or every one succeeded (no signal:
     ``closedloop.evaluate.stats.uniform_outcome``)."""
     common = sorted(set(treated) & set(base))
-    if len(common) < 2 or uniform_outcome({t: treated[t] for t in common},
-                                          {t: base[t] for t in common}):
+    ct, cb = {t: treated[t] for t in common}, {t: base[t] for t in common}
+    if len(common) < 2 or uniform_outcome(ct, cb):
         return None
-    ci = paired_bootstrap_ci({t: treated[t] for t in common}, {t: base[t] for t in common},
-                             seed=seed)
+    ci = paired_bootstrap_ci(ct, cb, seed=seed)
     return {"estimate": ci.estimate, "lo": ci.lo, "hi": ci.hi, "n_tasks": ci.n,
             "excludes_zero": ci.lo > 0 or ci.hi < 0}
 

@@ -176,7 +176,8 @@ def _retain_html(retain: Mapping[str, Any]) -> str:
     rows = [[name, s["before"], s["after"], s["delta"], [s["ci_lo"], s["ci_hi"]]
              if s["ci_lo"] is not None else None, s["n_paired"],
              s["significant_regression"] if s.get("measured", True)
-             else f"not measured: every attempt {s.get('no_signal') or 'unscored'} at both points"]
+             else f"not measured: every attempt {s['no_signal']} at both points"
+             if s.get("no_signal") else "not measured: no task scored at both points"]
             for name, s in retain["suites"].items()]
     return _table(["suite", "start", "final", "delta", "95% CI", "tasks",
                    "significant regression"], rows, "retain-table")

@@ -117,8 +117,8 @@ def fingerprint(run_dir: Path) -> dict[str, Any]:
 
 
 NOISE_ABS_TOL = 1e-3
-"""Figures that measure rounding itself (the generator/trainer log-prob gap: ``ratio/*``, the
-audit record) are compared within this absolute tolerance: on another CPU they are other
+"""Figures that measure rounding itself (the generator/trainer log-prob gap: ``ratio/*``,
+``policies/d_sample``, the audit record) are compared within this absolute tolerance: on another CPU they are other
 rounding noise of the same size."""
 
 
@@ -126,7 +126,7 @@ def _close(a: Any, b: Any, where: str) -> bool:
     if isinstance(a, bool) or isinstance(b, bool):
         return a == b
     if isinstance(a, int | float) and isinstance(b, int | float):
-        noise = "/ratio/" in where or '"audit"' in where
+        noise = "/ratio/" in where or '"audit"' in where or where.endswith("/d_sample")
         return math.isclose(float(a), float(b), rel_tol=REL_TOL,
                             abs_tol=NOISE_ABS_TOL if noise else 1e-9)
     return bool(a == b)

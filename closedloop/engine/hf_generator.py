@@ -13,8 +13,11 @@ One ``generate_batch`` call steps all its sessions together:
 1. prefill: row ``b`` has ``c_b`` cached and ``p_b`` pending ids. The batched cache is
    ``[pad]*(C-c_b) + cache_b`` and the input ``[pad]*(P-p_b) + pending_b`` (C, P the maxima), so
    the attention mask is ``0^(C-c_b) 1^c_b 0^(P-p_b) 1^p_b`` and positions are given explicitly
-   (``c_b + arange(p_b)``), which makes the padding invisible to RoPE and attention. Rows with
-   the same cache object and the same pending ids (G siblings at turn 0) are prefilled once.
+   (``c_b + arange(p_b)``), which makes the padding invisible to RoPE and attention (the lean
+   copy also leaves it out of the dense work). Rows with the same cache object and the same
+   pending ids (G siblings at turn 0) are prefilled once, and fresh sessions with different
+   prompts prefill the ids their prompts begin with in common (the scaffold's system message)
+   once.
 2. decode: sample each live row (``sampling.sample_step``), append, check stops; a finished row
    leaves the batch and its cache (padding squeezed out) returns to its session.
 
@@ -63,6 +66,9 @@ from closedloop.policy.generator import (
 from closedloop.policy.sampling import sample_step, transform_logits
 
 SessionId = int
+SHARED_PREFIX_MIN = 16
+"""Fresh sessions of one batch whose distinct prompts share at least this many leading ids
+prefill them once (``HFGenerator._share_prompt_prefix``)."""
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each [1, H, n, D]
 
 
@@ -319,9 +325,38 @@ class HFGenerator:
                 st.kv, st.n_cached = None, 0
         return states
 
+    def _share_prompt_prefix(self, states: list[_Session]) -> None:
+        """Prefill once the leading ids that the batch's fresh sessions (nothing cached) share,
+        when their prompts differ and share at least ``SHARED_PREFIX_MIN`` ids: every fresh
+        session then holds that prefix's keys/values (one immutable cache, as ``fork``
+        shares) and prefills only the rest. Episodes of different tasks under one scaffold
+        share its system message (216 of SmolLM2's ~350 prompt ids in the terminal tasks),
+        which was otherwise prefilled once per distinct prompt. Each prompt keeps at least one
+        pending id, whose logits the first sample needs."""
+        if self.reprefill:  # the no-reuse baseline prefills whole contexts
+            return
+        fresh = [st for st in states if st.kv is None]
+        prompts = list(dict.fromkeys(tuple(st.ids) for st in fresh))
+        if len(prompts) < 2:
+            return
+        shared = min(common_prefix_length(prompts), min(len(x) for x in prompts) - 1)
+        if shared < SHARED_PREFIX_MIN:
+            return
+        from closedloop.engine.kv_cache import batch_cache, row_cache  # imports transformers
+
+        cache = batch_cache([None], 0, shared)
+        ones_1_L = torch.ones(1, shared, dtype=torch.long, device=self.device)
+        self._forward(torch.tensor([prompts[0][:shared]], device=self.device), ones_1_L,
+                      torch.arange(shared, device=self.device)[None], cache)
+        kv = row_cache(cache, 0, ones_1_L[0])
+        for st in fresh:
+            st.kv, st.n_cached = kv, shared
+        self.stats.prefill_tokens += shared
+
     def _prefill(self, states: list[_Session], max_new: int) -> tuple[torch.Tensor, Any,
                                                                        torch.Tensor, torch.Tensor]:
         """Prefill pending ids of unique rows; return last logits, cache, mask, last positions."""
+        self._share_prompt_prefix(states)
         keys = [(id(st.kv), st.n_cached, tuple(st.ids[st.n_cached:])) for st in states]
         unique: dict[tuple[int, int, tuple[int, ...]], int] = {}
         for key in keys:
@@ -426,6 +461,15 @@ def _record(row: _Row, picked: tuple[list[int], list[float], list[float]], j: in
     row.finish = matcher.check(row.ids)
     if row.finish is None and len(row.ids) >= max_new:
         row.finish = "length"
+
+
+def common_prefix_length(seqs: Sequence[Sequence[int]]) -> int:
+    """The number of leading ids every sequence of ``seqs`` has in common (0 for none)."""
+    first, n = seqs[0], min(len(x) for x in seqs)
+    for i in range(n):
+        if any(x[i] != first[i] for x in seqs):
+            return i
+    return n
 
 
 def compaction_order(alive: Sequence[bool]) -> list[int]:

@@ -13,6 +13,10 @@ holds the *same function* as a ``LlamaForCausalLM`` (LoRA merged,
 - decode attention (one new id per row) is two batched matmuls over the grouped heads,
   ``q [B, H_kv, g, D] @ K^T [B, H_kv, D, L]``, with no copy of the K/V cache; a prefill (several
   ids per row) uses ``scaled_dot_product_attention`` with ``enable_gqa``;
+- a prefill whose rows are padded (pending ids of unequal length: one turn's observations)
+  runs the norms, projections and MLP on its real ids only, packed into one matrix, and
+  scatters them into the padded layout for attention alone (``_packed_tail``): its cost is
+  the ids it prefills, not rows x the longest;
 - the vocabulary projection runs on the last position only.
 
 The formula is the model's: ``h = embed(x)``; per layer ``h += o(attn(rope(q), rope(k), v))``
@@ -290,9 +294,12 @@ class LlamaDecodeCopy:
         """
         b, p = input_ids.shape
         hq, hkv, d = self.n_heads, self.n_kv, self.head_dim
+        allowed = _allowed(attention_mask.bool(), p)
+        real_B_P = attention_mask[:, -p:].bool()
+        if p > 1 and not bool(real_B_P.all()) and bool(real_B_P[:, -keep:].all()):
+            return self._packed_tail(input_ids, real_B_P, position_ids, allowed, cache, keep)
         h = self.embed[input_ids]
         cos, sin = self._rope(position_ids)
-        allowed = _allowed(attention_mask.bool(), p)
         for i, layer in enumerate(self.layers):
             x = self._rmsnorm(h, layer.ln1)
             qkv = self._mm(x, layer.qkv_t, layer.qkv_b)
@@ -307,6 +314,48 @@ class LlamaDecodeCopy:
             act = nn.functional.silu(gu[..., :half], inplace=True).mul_(gu[..., half:])
             h = h + self._mm(act, layer.down_t)
         tail = self._rmsnorm(h[:, -keep:], self.norm)
+        return self._mm(tail, self.head_t, self.head_b)
+
+    def _packed_tail(self, input_ids: torch.Tensor, real_B_P: torch.Tensor,
+                     position_ids: torch.Tensor, allowed: torch.Tensor, cache: Any,
+                     keep: int) -> torch.Tensor:
+        """``tail_logits`` of a padded prefill with the padding left out of the dense work.
+
+        The ``N`` real new ids run as one ``[N, hidden]`` matrix through the norms, the
+        projections and the MLP; only attention sees the ``[B, P]`` layout: each layer
+        scatters the rotated queries, keys and values of the real ids into zeros, appends
+        the keys/values to the cache (the padding's are zero, and masked as before), attends,
+        and gathers the real rows back. A prefill of rows with unequal pending lengths (the
+        observations of a turn) then costs its real ids, not ``B x max``; the kept positions
+        must be real (they are: rows are left-padded).
+        """
+        b, p = input_ids.shape
+        hq, hkv, d = self.n_heads, self.n_kv, self.head_dim
+        slots_N = real_B_P.reshape(-1).nonzero().squeeze(1)
+        n = int(slots_N.numel())
+        h = self.embed[input_ids.reshape(-1).index_select(0, slots_N)]
+        cos, sin = self._rope(position_ids.reshape(1, -1).index_select(1, slots_N))
+        rotated = (hq + hkv) * d
+        for i, layer in enumerate(self.layers):
+            x = self._rmsnorm(h, layer.ln1)
+            qkv = self._mm(x, layer.qkv_t, layer.qkv_b)
+            qk = _rotate(qkv[:, :rotated].view(1, n, hq + hkv, d), cos, sin)
+            dense = qkv.new_zeros(b * p, qkv.shape[-1])
+            dense[:, :rotated].index_copy_(0, slots_N, qk.view(n, rotated))
+            dense[:, rotated:].index_copy_(0, slots_N, qkv[:, rotated:])
+            heads = dense.view(b, p, hq + 2 * hkv, d)
+            q = heads[:, :, :hq].transpose(1, 2)
+            k, v = heads[:, :, hq:hq + hkv].transpose(1, 2), heads[:, :, hq + hkv:].transpose(1, 2)
+            keys, values = cache.update(k, v, i)
+            att = self._attend(q, keys, values, allowed).reshape(b * p, hq * d)
+            h = h + self._mm(att.index_select(0, slots_N), layer.o_t, layer.o_b)
+            gu = self._mm(self._rmsnorm(h, layer.ln2), layer.gate_up_t)
+            half = gu.shape[-1] // 2
+            act = nn.functional.silu(gu[..., :half], inplace=True).mul_(gu[..., half:])
+            h = h + self._mm(act, layer.down_t)
+        packed_of_slot = torch.empty(b * p, dtype=torch.long, device=h.device)
+        packed_of_slot[slots_N] = torch.arange(n, device=h.device)
+        tail = self._rmsnorm(h[packed_of_slot.view(b, p)[:, -keep:]], self.norm)
         return self._mm(tail, self.head_t, self.head_b)
 
     def _rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

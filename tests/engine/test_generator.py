@@ -385,3 +385,35 @@ def test_a_kv_cache_from_old_weights_is_never_reused_under_new_ones(tokenizer, r
     assert after == twin()
     stale = twin(stale_kv, stale_cached)  # what reusing the old keys and values would sample
     assert stale.behavior_logprobs != after.behavior_logprobs
+
+
+def test_fresh_prompts_prefill_the_ids_they_share_once(tiny_model, tokenizer, renderer):
+    """Distinct prompts under one scaffold prefill their common leading ids once; each row's
+    first action is what it samples alone. The no-reuse baseline prefills them whole."""
+    from closedloop.engine.hf_generator import SHARED_PREFIX_MIN, common_prefix_length
+
+    prompts = [renderer.render_prompt(t) for t in ["Repair a.json", "Fix b", "c", "Fix b"]]
+    shared = common_prefix_length(prompts)
+    assert prompts[0][shared] != prompts[1][shared]
+    assert shared >= SHARED_PREFIX_MIN
+    gen = HFGenerator(tiny_model, tokenizer)
+    outs = gen.generate_batch(gen.open_sessions(prompts), GREEDY, max_new_tokens=4)
+    distinct = list(dict.fromkeys(map(tuple, prompts)))
+    assert gen.stats.prefill_tokens == shared + sum(len(p) - shared for p in distinct)
+    for prompt, got in zip(prompts, outs, strict=True):
+        alone = HFGenerator(tiny_model, tokenizer)
+        want = alone.generate_batch([alone.open_session(prompt)], GREEDY, max_new_tokens=4)[0]
+        assert got.action_token_ids == want.action_token_ids
+        assert np.allclose(got.raw_model_logprobs, want.raw_model_logprobs, atol=1e-5)
+    baseline = HFGenerator(tiny_model, tokenizer, reprefill=True)
+    baseline.generate_batch(baseline.open_sessions(prompts), GREEDY, max_new_tokens=4)
+    assert baseline.stats.prefill_tokens == sum(len(p) for p in distinct)
+
+
+@given(st.lists(st.lists(st.integers(0, 3), max_size=6), min_size=1, max_size=4))
+def test_common_prefix_length_is_the_longest_shared_start(seqs):
+    from closedloop.engine.hf_generator import common_prefix_length
+
+    n = common_prefix_length(seqs)
+    assert all(x[:n] == seqs[0][:n] for x in seqs)
+    assert n == min(map(len, seqs)) or len({x[n] for x in seqs}) > 1

@@ -324,3 +324,18 @@ def test_the_generator_can_keep_the_weights_strided(tokenizer, renderer, fp32_pa
     assert outs[0].action_token_ids == outs[1].action_token_ids
     assert max(abs(x - y) for x, y in zip(outs[0].raw_model_logprobs, outs[1].raw_model_logprobs,
                                           strict=True)) < 1e-4
+
+
+def test_a_padded_prefill_multiplies_only_its_real_ids(tokenizer, monkeypatch):
+    """Rows of unequal length prefill as one packed matrix of their real ids (the padding
+    never reaches a projection), with the policy's logits (``_run`` checks them above)."""
+    model = _lora(tokenizer)
+    copy = LlamaDecodeCopy(model)
+    rows = [[5, 17, 300, 41, 9, 77, 12], [88, 3], [1000, 2000, 30, 4]]
+    seen = []
+    product = copy._mm
+    monkeypatch.setattr(copy, "_mm", lambda x, *a: (seen.append(x.shape[:-1]), product(x, *a))[1])
+    got = _run(copy, rows, [])[0]
+    assert seen[0] == (sum(map(len, rows)),)  # the first layer's q/k/v product
+    assert all(shape in ((13,), (3, 1)) for shape in seen)  # the head: last positions only
+    assert float((got - _policy_last_logits(model, rows)).abs().max()) < 1e-4

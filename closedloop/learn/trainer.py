@@ -83,13 +83,19 @@ class Trainer:
     """Holds the trainable policy, its reference, and the optimizer (a ``PolicyUpdater``)."""
 
     def __init__(self, model: torch.nn.Module, config: TrainerConfig,
-                 reference: Callable[[], Any] | None = None) -> None:
+                 reference: Callable[[], Any] | None = None,
+                 reference_is_policy: Callable[[], bool] | None = None) -> None:
         """``reference()`` returns a context manager under which ``model`` computes π_ref.
 
         For LoRA this disables the adapter (the reference is the base the adapter sits on);
-        ``None`` means no reference and no KL term.
+        ``None`` means no reference and no KL term. ``reference_is_policy()``, asked once per
+        pass over a batch whose π_ref is not yet scored, says whether π_ref is πθ as it
+        stands, bit for bit (a LoRA adapter that adds exactly nothing,
+        ``closedloop.policy.lora.adapter_is_inert``: the first step of a run): π_ref's
+        log-probs are then πθ's, detached, and its forward is not run.
         """
         self.model = model
+        self.reference_is_policy = reference_is_policy
         self.config = config
         check_precision(config.precision)
         self.objective: Objective = get_objective(config.objective, ClipRange(config.clip_eps))
@@ -192,11 +198,14 @@ class Trainer:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         outputs: list[tuple[ObjectiveOutput, int]] = []
+        ref_cache = {} if ref_cache is None else ref_cache
+        ref_is_policy = (not ref_cache and self.reference_is_policy is not None
+                         and self.reference_is_policy())
         with matmul_precision(self.model, cfg.precision):
             for rows in _chunks(batch.token_ids_B_T.shape[0], cfg.micro_batch_size):
                 out = self._micro_step(batch, shifted, rows, (advantages_B, token_adv),
-                                       success_B, full_w, {} if ref_cache is None else ref_cache,
-                                       {} if prox_cache is None else prox_cache)
+                                       success_B, full_w, ref_cache,
+                                       {} if prox_cache is None else prox_cache, ref_is_policy)
                 outputs.append((out, len(rows)))
         n_act = int(shifted.mask_B_T.sum())
         return _merge_metrics(outputs), n_act, int(batch.attention_mask_B_T.sum())
@@ -205,7 +214,8 @@ class Trainer:
                     advantages: tuple[torch.Tensor, torch.Tensor | None],
                     success_B: torch.Tensor | None,
                     full_w: torch.Tensor, ref_cache: dict[int, torch.Tensor],
-                    prox_cache: dict[int, torch.Tensor]) -> ObjectiveOutput:
+                    prox_cache: dict[int, torch.Tensor],
+                    ref_is_policy: bool = False) -> ObjectiveOutput:
         cfg = self.config
         advantages_B, token_adv = advantages
         idx = torch.tensor(rows)
@@ -216,8 +226,11 @@ class Trainer:
         new = self._logprobs(ids, attn, mask)
         ref = ref_cache.get(rows[0])
         if ref is None and self.reference is not None and cfg.kl_beta > 0:
-            with torch.no_grad(), self.reference():
-                ref = ref_cache[rows[0]] = self._logprobs(ids, attn, mask)
+            if ref_is_policy:
+                ref = ref_cache[rows[0]] = new.detach()
+            else:
+                with torch.no_grad(), self.reference():
+                    ref = ref_cache[rows[0]] = self._logprobs(ids, attn, mask)
         prox = None
         if cfg.proximal_policy == "trainer_at_step_start":
             prox = prox_cache.setdefault(rows[0], new.detach())

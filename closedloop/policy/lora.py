@@ -75,6 +75,35 @@ def is_peft_model(model: Any) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
+def adapter_is_inert(model: Any) -> bool:
+    """Whether ``model``'s LoRA adapter adds exactly nothing to its base: it has plain LoRA
+    layers only (no DoRA, no LoRA bias, no ``modules_to_save``, no other tuner), and every
+    active adapter's ``B`` factor is zero, as a fresh adapter's is before its first step.
+    Each adapted layer then computes ``base(x) + s * B(A(x)) = base(x) + 0``: the policy and
+    the base under ``disable_adapter`` are the same function, bit for bit."""
+    if not is_peft_model(model):
+        return False
+    found = False
+    for module in model.modules():
+        if type(module).__name__ == "ModulesToSaveWrapper":
+            return False
+        lora_b = getattr(module, "lora_B", None)
+        if lora_b is None or not hasattr(module, "base_layer"):
+            continue
+        dora = getattr(module, "use_dora", {}) or {}
+        for name in module.active_adapters:
+            if name not in lora_b:
+                continue
+            b = lora_b[name]
+            if dora.get(name) or not isinstance(b, torch.nn.Linear) or b.bias is not None \
+                    or bool(b.weight.any()):
+                return False
+            found = True
+        if getattr(module, "lora_embedding_B", None):
+            return False
+    return found
+
+
 def split_state_dict(model: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Return ``(base, adapter)`` state dicts of a model, the tensors the checksums cover.
 

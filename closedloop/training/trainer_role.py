@@ -22,7 +22,12 @@ from closedloop.learn.checkpoint import Checkpoint, save_checkpoint
 from closedloop.learn.trainer import Trainer, TrainerConfig
 from closedloop.learn.turn_credit import broadcast_turn_values, turn_table
 from closedloop.policy import attach_lora
-from closedloop.policy.lora import PolicyChecksum, PolicyChecksummer, split_state_dict
+from closedloop.policy.lora import (
+    PolicyChecksum,
+    PolicyChecksummer,
+    adapter_is_inert,
+    split_state_dict,
+)
 from closedloop.rollout.tensors import build_training_batch
 
 __all__ = ["TrainerRole", "adapter_state", "trainer_config"]
@@ -54,7 +59,8 @@ class TrainerRole:
         self.model = attach_lora(base_model, r=t.lora_rank, alpha=t.lora_alpha,
                                  seed=t.seed + 1, target_modules=tuple(t.lora_targets))
         self.config = trainer_config(cfg, precision)
-        self.trainer = Trainer(self.model, self.config, reference=self.model.disable_adapter)
+        self.trainer = Trainer(self.model, self.config, reference=self.model.disable_adapter,
+                               reference_is_policy=lambda: adapter_is_inert(self.model))
         self._checksum = PolicyChecksummer(self.model)
 
     @property

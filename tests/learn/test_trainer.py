@@ -13,7 +13,7 @@ from closedloop.engine import sequence_logprobs
 from closedloop.learn.sft import supervised_warm_start
 from closedloop.learn.trainer import BatchReuseError, Trainer, TrainerConfig
 from closedloop.policy import build_tiny_model, load_embedded_tokenizer
-from closedloop.policy.lora import attach_lora
+from closedloop.policy.lora import adapter_is_inert, attach_lora
 from closedloop.rollout.tensors import build_training_batch, shift_targets
 from tests.factories import make_traj, make_turn
 
@@ -315,3 +315,52 @@ def test_a_token_budget_cuts_the_last_sft_batch_to_the_nearest_episode(policy):
                                    learning_rate=1e-3, seed=0, max_tokens=budget)
     assert abs(result.trained_action_tokens - budget) <= max(sizes) // 2 + 1
     assert result.optimizer_steps == 1
+
+
+def test_a_fresh_adapter_is_inert_and_a_trained_one_is_not():
+    tok = load_embedded_tokenizer()
+    base = build_tiny_model(tok, seed=4)
+    assert not adapter_is_inert(base)  # no adapter at all
+    model = attach_lora(base, r=4, alpha=8)
+    assert adapter_is_inert(model)
+    with torch.no_grad():
+        next(p for n, p in model.named_parameters() if "lora_B" in n)[0, 0] = 1e-30
+    assert not adapter_is_inert(model)
+
+
+def test_a_dora_adapter_is_never_inert():
+    from peft import LoraConfig, get_peft_model
+
+    tok = load_embedded_tokenizer()
+    model = get_peft_model(build_tiny_model(tok, seed=4), LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj"], use_dora=True, task_type="CAUSAL_LM"))
+    assert not adapter_is_inert(model)  # the magnitude renormalizes: not the base bit for bit
+
+
+def test_the_reference_of_an_inert_adapter_is_the_policy_without_its_forward():
+    """While the adapter adds nothing, π_ref's log-probs are πθ's (not a second forward) and
+    the step is bit for bit the step that scored π_ref under ``disable_adapter``; after the
+    step the reference is scored again."""
+    tok = load_embedded_tokenizer()
+    model = attach_lora(build_tiny_model(tok, seed=4, init_std=0.3), r=4, alpha=8)
+    twin = copy.deepcopy(model)
+    batch = build_training_batch([episode(model, s, episode_id=f"e{s}") for s in range(3)])
+    adv = torch.tensor([1.0, -0.5, 0.25])
+    entered = []
+
+    def counted():
+        entered.append(1)
+        return model.disable_adapter()
+
+    cfg = TrainerConfig(kl_beta=0.1, learning_rate=1e-2, micro_batch_size=2)
+    fast = Trainer(model, cfg, reference=counted,
+                   reference_is_policy=lambda: adapter_is_inert(model))
+    slow = Trainer(twin, cfg, reference=twin.disable_adapter)
+    got, want = fast.step(batch, adv), slow.step(batch, adv)
+    assert entered == []
+    assert got.metrics["losses/loss"] == want.metrics["losses/loss"]
+    assert got.metrics["losses/kl"] == want.metrics["losses/kl"]
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(a, b)
+    fast.step(batch, adv)
+    assert len(entered) == 2  # one micro-batch of 2 rows, one of 1: scored under the base

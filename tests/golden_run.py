@@ -118,8 +118,9 @@ def fingerprint(run_dir: Path) -> dict[str, Any]:
 
 NOISE_ABS_TOL = 1e-3
 """Figures that measure rounding itself (the generator/trainer log-prob gap: ``ratio/*``,
-``policies/d_sample``, the audit record) are compared within this absolute tolerance: on another CPU they are other
-rounding noise of the same size."""
+``policies/d_sample``, the audit record) are compared within this absolute tolerance: on
+another CPU, or after a change of the shapes the products run at, they are other rounding noise
+of the same size."""
 
 
 def _close(a: Any, b: Any, where: str) -> bool:

@@ -199,8 +199,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         outputs: list[tuple[ObjectiveOutput, int]] = []
         ref_cache = {} if ref_cache is None else ref_cache
-        ref_is_policy = (not ref_cache and self.reference_is_policy is not None
-                         and self.reference_is_policy())
+        ref_is_policy = (not ref_cache and cfg.kl_beta > 0 and self.reference is not None
+                         and self.reference_is_policy is not None and self.reference_is_policy())
         with matmul_precision(self.model, cfg.precision):
             for rows in _chunks(batch.token_ids_B_T.shape[0], cfg.micro_batch_size):
                 out = self._micro_step(batch, shifted, rows, (advantages_B, token_adv),

@@ -28,10 +28,12 @@ without K/V copies; it re-syncs only blocks whose weights changed), otherwise th
 ``DecodeCopy`` (merged LoRA, transposed Linear weights), which serves any other causal LM a
 local model folder may hold. ``precision`` (``closedloop.engine.precision``: ``float32`` or
 ``bfloat16`` matmuls) is applied the same way the trainer applies it, so the auditor compares
-like with like. Four switches exist for comparison only (benchmarks and tests):
+like with like. Six switches exist for comparison only (benchmarks and tests):
 ``lean_decode=False`` forces the module copy on a Llama, ``packed_weights=False`` keeps the lean
-copy's weights strided instead of oneDNN-packed, ``decode_copy=False`` runs the policy module
-itself, ``reprefill=True`` drops the caches.
+copy's weights strided instead of oneDNN-packed, ``packed_prefill=False`` runs a padded prefill's
+padding through the lean copy's products, ``share_prompt_prefix=False`` prefills every distinct
+prompt whole, ``decode_copy=False`` runs the policy module itself, ``reprefill=True`` drops the
+caches.
 
 The last sampled id of an action is not fed to the model: it is the first pending id of the next
 turn. Sampling draws one float64 uniform per live row from the ``torch.Generator`` per step
@@ -120,13 +122,15 @@ class HFGenerator:
                  stop_sequences: Sequence[str] = (TOOL_CALL_CLOSE,), seed: int = 0,
                  max_context: int | None = None,
                  decode_copy: bool = True, precision: str = "float32",
-                 lean_decode: bool = True, packed_weights: bool = True) -> None:
+                 lean_decode: bool = True, packed_weights: bool = True,
+                 packed_prefill: bool = True, share_prompt_prefix: bool = True) -> None:
         self.model = model
         self.device = model_device(model)  # inputs are built here (closedloop.engine.device)
         self.precision = check_precision(precision)
         self._decode: DecodeCopy | LlamaDecodeCopy | None = None
         if decode_copy and lean_decode and supports(model) is None:
-            self._decode = LlamaDecodeCopy(model, precision, packed=packed_weights)
+            self._decode = LlamaDecodeCopy(model, precision, packed=packed_weights,
+                                           packed_prefill=packed_prefill)
         elif decode_copy:
             self._decode = DecodeCopy(model, precision)
         self.max_context = int(max_context or getattr(model.config, "max_position_embeddings",
@@ -135,6 +139,7 @@ class HFGenerator:
         self.rng = torch.Generator().manual_seed(seed)
         self.tokenizer = tokenizer
         self.reprefill = reprefill
+        self.share_prompt_prefix = share_prompt_prefix
         self.stop_token_ids = tuple(stop_token_ids) if stop_token_ids is not None \
             else default_stop_token_ids(tokenizer)
         self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
@@ -333,7 +338,7 @@ class HFGenerator:
         share its system message (216 of SmolLM2's ~350 prompt ids in the terminal tasks),
         which was otherwise prefilled once per distinct prompt. Each prompt keeps at least one
         pending id, whose logits the first sample needs."""
-        if self.reprefill:  # the no-reuse baseline prefills whole contexts
+        if self.reprefill or not self.share_prompt_prefix:  # the no-reuse baseline: whole
             return
         fresh = [st for st in states if st.kv is None]
         prompts = list(dict.fromkeys(tuple(st.ids) for st in fresh))

@@ -110,13 +110,17 @@ class LlamaDecodeCopy:
     """The generator's flat copy of a Llama policy (module doc). Call ``sync`` after every
     weight change; ``last_logits`` runs one forward and returns float32 ``[B, V]``."""
 
-    def __init__(self, model: Any, precision: str = "float32", packed: bool = True) -> None:
-        """``packed=False`` keeps every weight strided (the module doc's packing off)."""
+    def __init__(self, model: Any, precision: str = "float32", packed: bool = True,
+                 packed_prefill: bool = True) -> None:
+        """``packed=False`` keeps every weight strided (the module doc's packing off);
+        ``packed_prefill=False`` runs a padded prefill's padding through the products (for
+        comparison: the same logits, more work)."""
         reason = supports(model)
         if reason is not None:
             raise ValueError(f"LlamaDecodeCopy cannot hold this model: {reason}")
         self.precision = check_precision(precision)
         self.packed = packed
+        self.packed_prefill = packed_prefill
         self.source = model.get_base_model() if hasattr(model, "get_base_model") else model
         cfg = self.source.config
         self.n_heads = int(cfg.num_attention_heads)
@@ -296,7 +300,8 @@ class LlamaDecodeCopy:
         hq, hkv, d = self.n_heads, self.n_kv, self.head_dim
         allowed = _allowed(attention_mask.bool(), p)
         real_B_P = attention_mask[:, -p:].bool()
-        if p > 1 and not bool(real_B_P.all()) and bool(real_B_P[:, -keep:].all()):
+        if self.packed_prefill and p > 1 and not bool(real_B_P.all()) \
+                and bool(real_B_P[:, -keep:].all()):
             return self._packed_tail(input_ids, real_B_P, position_ids, allowed, cache, keep)
         h = self.embed[input_ids]
         cos, sin = self._rope(position_ids)

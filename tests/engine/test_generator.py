@@ -408,6 +408,10 @@ def test_fresh_prompts_prefill_the_ids_they_share_once(tiny_model, tokenizer, re
     baseline = HFGenerator(tiny_model, tokenizer, reprefill=True)
     baseline.generate_batch(baseline.open_sessions(prompts), GREEDY, max_new_tokens=4)
     assert baseline.stats.prefill_tokens == sum(len(p) for p in distinct)
+    unshared = HFGenerator(tiny_model, tokenizer, share_prompt_prefix=False)
+    again = unshared.generate_batch(unshared.open_sessions(prompts), GREEDY, max_new_tokens=4)
+    assert unshared.stats.prefill_tokens == sum(len(p) for p in distinct)
+    assert [g.action_token_ids for g in again] == [g.action_token_ids for g in outs]
 
 
 @given(st.lists(st.lists(st.integers(0, 3), max_size=6), min_size=1, max_size=4))

@@ -339,3 +339,5 @@ def test_a_padded_prefill_multiplies_only_its_real_ids(tokenizer, monkeypatch):
     assert seen[0] == (sum(map(len, rows)),)  # the first layer's q/k/v product
     assert all(shape in ((13,), (3, 1)) for shape in seen)  # the head: last positions only
     assert float((got - _policy_last_logits(model, rows)).abs().max()) < 1e-4
+    padded = LlamaDecodeCopy(model, packed_prefill=False)  # the comparison switch: same logits
+    assert torch.allclose(_run(padded, rows, [])[0], got, atol=1e-5, rtol=0)

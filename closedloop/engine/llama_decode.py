@@ -314,10 +314,7 @@ class LlamaDecodeCopy:
             keys, values = cache.update(k, v, i)
             att = self._attend(q, keys, values, allowed)
             h = h + self._mm(att, layer.o_t, layer.o_b)
-            gu = self._mm(self._rmsnorm(h, layer.ln2), layer.gate_up_t)
-            half = gu.shape[-1] // 2
-            act = nn.functional.silu(gu[..., :half], inplace=True).mul_(gu[..., half:])
-            h = h + self._mm(act, layer.down_t)
+            h = h + self._mlp(h, layer)
         tail = self._rmsnorm(h[:, -keep:], self.norm)
         return self._mm(tail, self.head_t, self.head_b)
 
@@ -354,14 +351,18 @@ class LlamaDecodeCopy:
             keys, values = cache.update(k, v, i)
             att = self._attend(q, keys, values, allowed).reshape(b * p, hq * d)
             h = h + self._mm(att.index_select(0, slots_N), layer.o_t, layer.o_b)
-            gu = self._mm(self._rmsnorm(h, layer.ln2), layer.gate_up_t)
-            half = gu.shape[-1] // 2
-            act = nn.functional.silu(gu[..., :half], inplace=True).mul_(gu[..., half:])
-            h = h + self._mm(act, layer.down_t)
+            h = h + self._mlp(h, layer)
         packed_of_slot = torch.empty(b * p, dtype=torch.long, device=h.device)
         packed_of_slot[slots_N] = torch.arange(n, device=h.device)
         tail = self._rmsnorm(h[packed_of_slot.view(b, p)[:, -keep:]], self.norm)
         return self._mm(tail, self.head_t, self.head_b)
+
+    def _mlp(self, h: torch.Tensor, layer: _Layer) -> torch.Tensor:
+        """The block's MLP on ``rmsnorm(h)``: ``down(silu(gate) * up)``, to add to ``h``."""
+        gu = self._mm(self._rmsnorm(h, layer.ln2), layer.gate_up_t)
+        half = gu.shape[-1] // 2
+        act = nn.functional.silu(gu[..., :half], inplace=True).mul_(gu[..., half:])
+        return self._mm(act, layer.down_t)
 
     def _rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos``/``sin`` ``[B, P, 1, D]`` for the positions (the default Llama rotary), to

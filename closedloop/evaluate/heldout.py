@@ -18,10 +18,9 @@ from closedloop.contracts import Episode
 from closedloop.errors import EmptySampleError, MixedPolicyGroupError
 from closedloop.evaluate.stats import (
     bootstrap_mean_ci,
-    paired_bootstrap_ci,
     pass_at_k,
     pass_hat_k,
-    uniform_outcome,
+    shared_task_comparison,
 )
 
 
@@ -138,18 +137,16 @@ def paired_difference(a: EvalSummary | None, b: EvalSummary | None, seed: int,
     ``closedloop.evaluate.stats.uniform_outcome``); ``what`` names the comparison."""
     if a is None or b is None:
         return {"what": what, "measured": False, "detail": "an evaluation is missing"}
-    sa, sb = a.per_task_success(), b.per_task_success()
-    common = sorted(set(sa) & set(sb))
-    if len(common) < 2:
-        return {"what": what, "measured": False, "tasks": len(common),
-                "detail": f"{len(common)} tasks scored in both evaluations (need 2)"}
-    ca, cb = {k: sa[k] for k in common}, {k: sb[k] for k in common}
-    outcome = uniform_outcome(ca, cb)
-    if outcome is not None:
-        return {"what": what, "measured": False, "tasks": len(common), "no_signal": outcome,
-                "detail": f"every attempt on both sides {outcome} over {len(common)} tasks: "
-                          "no signal to compare"}
-    ci = paired_bootstrap_ci(ca, cb, **({} if n_boot is None else {"n_boot": n_boot}),
-                             seed=seed)
-    return {"what": what, "measured": True, "tasks": len(common), "estimate": ci.estimate,
+    pair = shared_task_comparison(a.per_task_success(), b.per_task_success(), seed=seed,
+                                  **({} if n_boot is None else {"n_boot": n_boot}))
+    if pair.tasks < 2:
+        return {"what": what, "measured": False, "tasks": pair.tasks,
+                "detail": f"{pair.tasks} tasks scored in both evaluations (need 2)"}
+    if pair.ci is None:
+        return {"what": what, "measured": False, "tasks": pair.tasks,
+                "no_signal": pair.no_signal,
+                "detail": f"every attempt on both sides {pair.no_signal} over {pair.tasks} "
+                          "tasks: no signal to compare"}
+    ci = pair.ci
+    return {"what": what, "measured": True, "tasks": pair.tasks, "estimate": ci.estimate,
             "ci": [ci.lo, ci.hi], "n_boot": ci.n_boot, "alpha": ci.alpha}

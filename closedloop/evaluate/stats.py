@@ -27,11 +27,13 @@ from closedloop.intervals import wilson_interval
 __all__ = [
     "BootstrapCI",
     "EmptySampleError",
+    "SharedTaskComparison",
     "StatsInputError",
     "bootstrap_mean_ci",
     "paired_bootstrap_ci",
     "pass_at_k",
     "pass_hat_k",
+    "shared_task_comparison",
     "uniform_outcome",
     "wilson_interval",
 ]
@@ -172,3 +174,29 @@ def uniform_outcome(*by_task: Mapping[str, float]) -> str | None:
     if min(rates) == 1.0:
         return "succeeded"
     return None
+
+
+class SharedTaskComparison(NamedTuple):
+    """A paired comparison of two evaluations over the tasks both scored: how many they share,
+    ``no_signal`` (``uniform_outcome`` of the shared tasks: ``"failed"``/``"succeeded"``, else
+    ``None``) and the paired interval of ``a - b`` (``None`` below 2 shared tasks or without
+    signal: nothing was measured)."""
+
+    tasks: int
+    no_signal: str | None
+    ci: BootstrapCI | None
+
+
+def shared_task_comparison(a: Mapping[str, float], b: Mapping[str, float], *, seed: int,
+                           n_boot: int = 2000) -> SharedTaskComparison:
+    """``paired_bootstrap_ci`` of per-task ``a - b`` over the task ids in both mappings, when it
+    measures something (``SharedTaskComparison``)."""
+    common = sorted(set(a) & set(b))
+    ca, cb = {t: a[t] for t in common}, {t: b[t] for t in common}
+    if len(common) < 2:
+        return SharedTaskComparison(len(common), None, None)
+    outcome = uniform_outcome(ca, cb)
+    if outcome is not None:
+        return SharedTaskComparison(len(common), outcome, None)
+    return SharedTaskComparison(len(common), None,
+                                paired_bootstrap_ci(ca, cb, n_boot, seed=seed))

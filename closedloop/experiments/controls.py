@@ -29,7 +29,7 @@ from closedloop.contracts import load_episodes
 from closedloop.engine import PrecisionChoice
 from closedloop.errors import RunStateError
 from closedloop.evaluate.heldout import EvalSummary, summarize_eval
-from closedloop.evaluate.stats import paired_bootstrap_ci, uniform_outcome
+from closedloop.evaluate.stats import shared_task_comparison
 from closedloop.experiments.credit_arm import OPTIONAL_ARMS, arm_compute, credit_arm_config
 from closedloop.learn.null_control import RewardControl
 from closedloop.policy.registry import atomic_write_bytes, version_name
@@ -258,11 +258,9 @@ def paired_diff(treated: dict[str, float], base: dict[str, float],
     interval (``estimate``, ``lo``, ``hi``, ``n_tasks``, ``excludes_zero``); None below 2
     tasks, and None when every attempt of both failed or every one succeeded (no signal:
     ``closedloop.evaluate.stats.uniform_outcome``)."""
-    common = sorted(set(treated) & set(base))
-    ct, cb = {t: treated[t] for t in common}, {t: base[t] for t in common}
-    if len(common) < 2 or uniform_outcome(ct, cb):
+    ci = shared_task_comparison(treated, base, seed=seed).ci
+    if ci is None:
         return None
-    ci = paired_bootstrap_ci(ct, cb, seed=seed)
     return {"estimate": ci.estimate, "lo": ci.lo, "hi": ci.hi, "n_tasks": ci.n,
             "excludes_zero": ci.lo > 0 or ci.hi < 0}
 

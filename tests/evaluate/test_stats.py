@@ -182,3 +182,29 @@ def test_a_paired_difference_of_uniform_outcomes_is_not_measured() -> None:
     assert all_won["measured"] is False and all_won["no_signal"] == "succeeded"
     gained = paired_difference(ones, zeros, 0, "x")  # type: ignore[arg-type]
     assert gained["measured"] and gained["estimate"] == 1.0
+
+
+@given(st.dictionaries(st.sampled_from("abcdefg"), st.sampled_from([0.0, 0.5, 1.0])),
+       st.dictionaries(st.sampled_from("defghij"), st.sampled_from([0.0, 0.5, 1.0])))
+@settings(max_examples=60)
+def test_a_shared_task_comparison_pairs_the_shared_tasks_only(
+        a: dict[str, float], b: dict[str, float]) -> None:
+    """Both the experiment summary (``controls.paired_diff``) and the report
+    (``heldout.paired_difference``) measure through it: the interval is the paired bootstrap
+    over the shared task ids, and nothing is measured below 2 of them or without signal."""
+    from closedloop.evaluate.stats import shared_task_comparison, uniform_outcome
+    from closedloop.experiments.controls import paired_diff
+
+    shared = sorted(set(a) & set(b))
+    pair = shared_task_comparison(a, b, seed=3, n_boot=200)
+    assert pair.tasks == len(shared)
+    ca, cb = {t: a[t] for t in shared}, {t: b[t] for t in shared}
+    if len(shared) < 2 or uniform_outcome(ca, cb):
+        assert pair.ci is None and paired_diff(a, b, 3) is None
+        assert pair.no_signal == (uniform_outcome(ca, cb) if len(shared) >= 2 else None)
+        return
+    assert pair.no_signal is None
+    assert pair.ci == paired_bootstrap_ci(ca, cb, 200, seed=3)
+    diff = paired_diff(a, b, 3)
+    assert diff is not None and diff["n_tasks"] == len(shared)
+    assert diff["estimate"] == pytest.approx(np.mean([ca[t] - cb[t] for t in shared]))

@@ -48,6 +48,31 @@ def set_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
+def resident_gib() -> float | None:
+    """This process's resident memory (GiB, Linux ``/proc``), or ``None`` elsewhere."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        return None
+    return None
+
+
+def give_back_free_memory(label: str) -> None:
+    """Before the other side of a benchmark runs in its own process: return this process's
+    freed heap to the OS (``closedloop.engine.release_free_memory``; the tuned allocator keeps
+    it otherwise) so both fit in memory, and print the resident memory before and after."""
+    from closedloop.engine.allocator import release_free_memory
+
+    before = resident_gib()
+    released = release_free_memory()
+    after = resident_gib()
+    if before is not None and after is not None:
+        print(f"[{label}] this process before the other side: resident {before:.1f} GiB, "
+              f"{after:.1f} GiB after returning its free heap ({released})", flush=True)
+
+
 def median(values: Sequence[float]) -> float:
     """The median (of possibly one value)."""
     return float(statistics.median(values))

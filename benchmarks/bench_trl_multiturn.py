@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import emit, machine_label, median, set_threads
+from _common import emit, give_back_free_memory, machine_label, median, set_threads
 from _realstep import RealStep, items_line, share_line
 
 from closedloop.config import RunConfig, smoke_config
@@ -124,6 +124,7 @@ def run_trl(model_dir: Path, spec: dict[str, Any], args: argparse.Namespace, bf1
     """TRL's environment_factory steps in .bench-venv; its result, or why it did not run."""
     if not BENCH_PY.is_file():
         return "skipped: .bench-venv is absent (make .bench-venv/.ready)"
+    give_back_free_memory("multiturn")  # TRL's step needs ~13 GB beside this process
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
         json.dump(spec, fh)
     cmd = [str(BENCH_PY), str(ROOT / "benchmarks" / "trl_env_step.py"), str(model_dir),

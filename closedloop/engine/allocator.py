@@ -15,7 +15,9 @@ the kernel again (docs/performance.md has the measurements).
   for the next pass.
 
 The cost is resident memory: the process keeps freed blocks, up to its high-water mark,
-instead of returning them to the OS. It changes no result, only where bytes come from. The CLI and
+instead of returning them to the OS; ``release_free_memory()`` gives them back once (glibc's
+``malloc_trim``), for a process about to sit idle beside another that needs the memory (a
+benchmark's other side). It changes no result, only where bytes come from. The CLI and
 the benchmarks call it once at start; a library user may call it too. It is a no-op (with the
 reason returned) where libc is not glibc.
 """
@@ -46,3 +48,13 @@ def tune_allocator() -> dict[str, int] | str:
             return f"not tuned: mallopt({_NAMES[option]}, {value}) was refused"
         applied[_NAMES[option]] = value
     return applied
+
+
+def release_free_memory() -> bool | str:
+    """Return the heap's free blocks to the OS now (glibc ``malloc_trim(0)``, whatever the trim
+    threshold); whether any memory was released, or why it was not tried."""
+    libc_name, _ = platform.libc_ver()
+    if platform.system() != "Linux" or libc_name != "glibc":
+        return f"not released: libc is {libc_name or 'unknown'} on {platform.system()}"
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    return bool(libc.malloc_trim(ctypes.c_size_t(0)))

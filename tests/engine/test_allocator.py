@@ -42,3 +42,17 @@ def test_tensors_compute_the_same_after_tuning():
     for _ in range(3):  # blocks freed and reused from the heap now
         after = torch.nn.functional.silu(a @ b).sum(dim=0)
         assert torch.equal(after, before)
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc only")
+def test_freed_heap_goes_back_to_the_os_on_request():
+    allocator.tune_allocator()  # freed blocks now stay in the heap (1 GiB trim threshold)
+    blocks = [torch.ones(2**20) for _ in range(64)]  # 4 MiB each: heap, not mmap
+    del blocks
+    assert allocator.release_free_memory() is True  # 256 MiB of free heap was handed back
+    assert torch.ones(3).sum().item() == 3.0
+
+
+def test_another_libc_keeps_its_memory(monkeypatch):
+    monkeypatch.setattr(allocator.platform, "libc_ver", lambda: ("musl", "1.2"))
+    assert allocator.release_free_memory().startswith("not released: libc is musl")

@@ -63,7 +63,7 @@ def give_back_free_memory(label: str) -> None:
     """Before the other side of a benchmark runs in its own process: return this process's
     freed heap to the OS (``closedloop.engine.release_free_memory``; the tuned allocator keeps
     it otherwise) so both fit in memory, and print the resident memory before and after."""
-    from closedloop.engine.allocator import release_free_memory
+    from closedloop.engine import release_free_memory
 
     before = resident_gib()
     released = release_free_memory()

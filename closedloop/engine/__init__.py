@@ -14,6 +14,7 @@
   from the host (``CpuFacts``: native bf16 from the CPU flags, else a measured race), recorded
   as a ``PrecisionChoice``;
 - **allocator**: ``tune_allocator`` keeps freed tensor memory in the process (glibc);
+  ``release_free_memory`` hands it back once;
 - **device**: ``resolve_device`` (the CPU, or CUDA when present), ``model_device``,
   ``device_label``; the log-prob paths compute on the model's device and return on the ids';
 - **vLLM**: ``VLLMGenerator`` (the same generator and session API) over a ``VLLMEngine``, a
@@ -28,7 +29,7 @@ layer subclass, rebinding ``nn.Linear.forward``) stay in its submodules. Importi
 model and imports no ``transformers``.
 """
 
-from closedloop.engine.allocator import tune_allocator
+from closedloop.engine.allocator import release_free_memory, tune_allocator
 from closedloop.engine.device import DEVICES, device_label, model_device, resolve_device
 from closedloop.engine.hf_generator import GeneratorStats, HFGenerator, SessionId
 from closedloop.engine.host_precision import (
@@ -85,7 +86,7 @@ __all__ = [  # noqa: RUF022 -- grouped by topic, sorted within each group
     "CpuFacts", "MatmulRates", "PrecisionChoice", "measure_matmul_rates", "read_cpu_facts",
     "resolve_for_run", "resolve_precision", "warn_if_emulated",
     # allocator
-    "tune_allocator",
+    "release_free_memory", "tune_allocator",
     # device
     "DEVICES", "device_label", "model_device", "resolve_device", "resolve_on_cuda",
     # vLLM

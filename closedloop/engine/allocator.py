@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import platform
+from typing import Any
 
 M_TRIM_THRESHOLD = -1
 M_TOP_PAD = -2
@@ -36,12 +37,19 @@ _NAMES = {M_MMAP_THRESHOLD: "M_MMAP_THRESHOLD", M_TRIM_THRESHOLD: "M_TRIM_THRESH
           M_TOP_PAD: "M_TOP_PAD"}
 
 
-def tune_allocator() -> dict[str, int] | str:
-    """Apply ``SETTINGS`` with glibc's ``mallopt``; return them by name, or why not."""
+def _glibc() -> Any:
+    """glibc itself (a ``ctypes.CDLL``), or a string naming the libc this process has instead."""
     libc_name, _ = platform.libc_ver()
     if platform.system() != "Linux" or libc_name != "glibc":
-        return f"not tuned: libc is {libc_name or 'unknown'} on {platform.system()}"
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return f"libc is {libc_name or 'unknown'} on {platform.system()}"
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+
+
+def tune_allocator() -> dict[str, int] | str:
+    """Apply ``SETTINGS`` with glibc's ``mallopt``; return them by name, or why not."""
+    libc = _glibc()
+    if isinstance(libc, str):
+        return f"not tuned: {libc}"
     applied: dict[str, int] = {}
     for option, value in SETTINGS.items():
         if libc.mallopt(ctypes.c_int(option), ctypes.c_int(value)) != 1:
@@ -53,8 +61,7 @@ def tune_allocator() -> dict[str, int] | str:
 def release_free_memory() -> bool | str:
     """Return the heap's free blocks to the OS now (glibc ``malloc_trim(0)``, whatever the trim
     threshold); whether any memory was released, or why it was not tried."""
-    libc_name, _ = platform.libc_ver()
-    if platform.system() != "Linux" or libc_name != "glibc":
-        return f"not released: libc is {libc_name or 'unknown'} on {platform.system()}"
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    libc = _glibc()
+    if isinstance(libc, str):
+        return f"not released: {libc}"
     return bool(libc.malloc_trim(ctypes.c_size_t(0)))

@@ -58,12 +58,14 @@ from closedloop.engine.device import model_device
 from closedloop.engine.llama_decode import LlamaDecodeCopy, supports
 from closedloop.engine.precision import check_precision, matmul_precision
 from closedloop.engine.token_ids import checked_token_ids
-from closedloop.errors import ContextOverflowError, GenerationError
+from closedloop.errors import GenerationError
 from closedloop.policy.generator import (
     FinishReason,
     Generation,
     StopMatcher,
+    batch_states,
     default_stop_token_ids,
+    session_state,
 )
 from closedloop.policy.sampling import sample_step, transform_logits
 
@@ -315,16 +317,9 @@ class HFGenerator:
         return [Generation(r.ids, r.behavior, r.raw, r.finish or "length") for r in rows]
 
     def _batch_states(self, sessions: Sequence[SessionId], max_new: int) -> list[_Session]:
-        """Validate a batch request; drop the caches first when re-prefilling."""
-        if not sessions or len(set(sessions)) != len(sessions):
-            raise GenerationError("generate_batch needs distinct sessions, at least one")
-        if max_new < 1:
-            raise GenerationError("max_new_tokens must be >= 1")
-        states = [self._session(s) for s in sessions]
-        over = [sid for sid, st in zip(sessions, states, strict=True)
-                if len(st.ids) + max_new > self.max_context]
-        if over:
-            raise ContextOverflowError(over, self.max_context)
+        """Validate a batch request (``batch_states``); drop the caches first when
+        re-prefilling."""
+        states = batch_states(self._sessions, sessions, max_new, self.max_context)
         if self.reprefill:
             for st in states:
                 st.kv, st.n_cached = None, 0
@@ -447,10 +442,7 @@ class HFGenerator:
         st.n_cached = len(st.ids) - 1 if st.kv is not None else 0
 
     def _session(self, session: SessionId) -> _Session:
-        try:
-            return self._sessions[session]
-        except KeyError:
-            raise GenerationError(f"unknown or closed session {session}") from None
+        return session_state(self._sessions, session)
 
     def _checked_ids(self, ids: Sequence[int]) -> list[int]:
         return checked_token_ids(ids, self.vocab_size)

@@ -47,12 +47,14 @@ from typing import Any
 from closedloop.contracts import TOOL_CALL_CLOSE, SamplerConfig
 from closedloop.engine.token_ids import checked_token_ids
 from closedloop.engine.vllm_engine import VLLMEngine
-from closedloop.errors import ContextOverflowError, GenerationError
+from closedloop.errors import GenerationError
 from closedloop.policy.generator import (
     FinishReason,
     Generation,
     StopMatcher,
+    batch_states,
     default_stop_token_ids,
+    session_state,
 )
 
 SessionId = int
@@ -268,22 +270,10 @@ class VLLMGenerator:
         return [list(map(float, lps)) for lps in reply["logprobs"]]
 
     def _batch_states(self, sessions: Sequence[SessionId], max_new: int) -> list[_Session]:
-        if not sessions or len(set(sessions)) != len(sessions):
-            raise GenerationError("generate_batch needs distinct sessions, at least one")
-        if max_new < 1:
-            raise GenerationError("max_new_tokens must be >= 1")
-        states = [self._session(s) for s in sessions]
-        over = [sid for sid, st in zip(sessions, states, strict=True)
-                if len(st.ids) + max_new > self.max_context]
-        if over:
-            raise ContextOverflowError(over, self.max_context)
-        return states
+        return batch_states(self._sessions, sessions, max_new, self.max_context)
 
     def _session(self, session: SessionId) -> _Session:
-        try:
-            return self._sessions[session]
-        except KeyError:
-            raise GenerationError(f"unknown or closed session {session}") from None
+        return session_state(self._sessions, session)
 
     def _checked_ids(self, ids: Sequence[int]) -> list[int]:
         return checked_token_ids(ids, self.vocab_size)

@@ -17,11 +17,11 @@ trainer teacher-forces exactly what was sampled.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 from closedloop.contracts import SamplerConfig
-from closedloop.errors import GenerationError
+from closedloop.errors import ContextOverflowError, GenerationError
 
 FinishReason = Literal["stop", "eos", "length"]
 END_TOKENS = ("<|im_end|>", "<|endoftext|>")
@@ -97,3 +97,36 @@ def default_stop_token_ids(tokenizer: Any) -> tuple[int, ...]:
     specials = set(tokenizer.all_special_tokens)
     ids += [int(tokenizer.convert_tokens_to_ids(t)) for t in END_TOKENS if t in specials]
     return tuple(dict.fromkeys(ids))
+
+
+class _HasIds(Protocol):
+    ids: list[int]
+
+
+State = TypeVar("State", bound=_HasIds)
+
+
+def session_state(table: Mapping[int, State], session: int) -> State:
+    """A session generator's state of ``session``; ``GenerationError`` if it is unknown or
+    closed."""
+    try:
+        return table[session]
+    except KeyError:
+        raise GenerationError(f"unknown or closed session {session}") from None
+
+
+def batch_states(table: Mapping[int, State], sessions: Sequence[int], max_new: int,
+                 max_context: int) -> list[State]:
+    """The states of one ``generate_batch`` request, checked: distinct known sessions (at
+    least one), ``max_new >= 1``, and ``ContextOverflowError`` naming every session whose
+    context plus ``max_new`` ids would pass ``max_context``."""
+    if not sessions or len(set(sessions)) != len(sessions):
+        raise GenerationError("generate_batch needs distinct sessions, at least one")
+    if max_new < 1:
+        raise GenerationError("max_new_tokens must be >= 1")
+    states = [session_state(table, s) for s in sessions]
+    over = [sid for sid, st in zip(sessions, states, strict=True)
+            if len(st.ids) + max_new > max_context]
+    if over:
+        raise ContextOverflowError(over, max_context)
+    return states

@@ -47,6 +47,12 @@ class GrowingKVLayer(DynamicLayer):
         self.keys, self.values = kbuf[:, :, :n + q], vbuf[:, :, :n + q]
         return self.keys, self.values
 
+    def hold(self, kbuf: torch.Tensor, vbuf: torch.Tensor, n: int) -> None:
+        """Start from buffers whose first ``n`` positions are already the cache."""
+        self.lazy_initialization(kbuf, vbuf)
+        self._kbuf, self._vbuf = kbuf, vbuf
+        self.keys, self.values = kbuf[:, :, :n], vbuf[:, :, :n]
+
     def _grow(self, n: int, need: int, k_like: torch.Tensor,
               v_like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cap = max(need + max(need // 2, 64), self.reserve)
@@ -99,22 +105,29 @@ def batch_cache(caches: Sequence[KV | None], c_max: int, reserve: int) -> Any:
         cache.layer_class_to_replicate = _reserving(reserve)
         return cache
     layers = []
-    for li, (k_ref, v_ref) in enumerate(ref):
-        ks, vs = [], []
-        for kv in caches:
-            if kv is None:
-                ks.append(k_ref.new_zeros(1, k_ref.shape[1], c_max, k_ref.shape[3]))
-                vs.append(v_ref.new_zeros(1, v_ref.shape[1], c_max, v_ref.shape[3]))
-                continue
-            k, v = kv[li]
-            pad = c_max - k.shape[2]
-            ks.append(torch.nn.functional.pad(k, (0, 0, pad, 0)) if pad else k)
-            vs.append(torch.nn.functional.pad(v, (0, 0, pad, 0)) if pad else v)
+    for li in range(len(ref)):
         layer = GrowingKVLayer(reserve)
-        layer.update(torch.cat(ks, 0), torch.cat(vs, 0))
+        layer.hold(_stacked([None if kv is None else kv[li][0] for kv in caches], c_max, reserve),
+                   _stacked([None if kv is None else kv[li][1] for kv in caches], c_max, reserve),
+                   c_max)
         layers.append(layer)
     cache.layers = layers
     return cache
+
+
+def _stacked(rows: Sequence[torch.Tensor | None], c_max: int, reserve: int) -> torch.Tensor:
+    """A ``[B, H, max(reserve, c_max), D]`` buffer holding each row's ``[1, H, n, D]`` states
+    (``None``: none) right-aligned at ``c_max``, zeros to their left: one copy of each row, no
+    padded intermediates."""
+    ref = next(r for r in rows if r is not None)
+    buf = ref.new_empty(len(rows), ref.shape[1], max(reserve, c_max), ref.shape[3])
+    for b, row in enumerate(rows):
+        n = 0 if row is None else row.shape[2]
+        if n < c_max:
+            buf[b, :, :c_max - n].zero_()
+        if row is not None and n:
+            buf[b, :, c_max - n:c_max] = row[0]
+    return buf
 
 
 def row_cache(cache: Any, row: int, mask_L: torch.Tensor) -> KV:

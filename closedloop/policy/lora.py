@@ -11,6 +11,10 @@ publication). ``policy_weight_checksum`` returns both and their combination
 uses the base model's own tensor names (peft's ``base_model.model.`` prefix and ``.base_layer``
 segment removed), so it equals ``weights_checksum`` of the un-adapted model; the adapter
 checksum covers every other tensor (``lora_A``, ``lora_B``, ...) under its in-memory name.
+
+Both ``attach_lora`` and ``load_adapter`` switch the adapted projections to
+``closedloop.policy.lora_product.FusedLoraLinear`` (the adapted product in one GEMM; same
+parameters, same state-dict names, peft's own forward wherever the fusion does not apply).
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ def attach_lora(model: Any, r: int = 8, alpha: int = 16,
     """
     from peft import LoraConfig, get_peft_model
 
+    from closedloop.policy.lora_product import fuse_lora_products
+
     if r < 1 or alpha <= 0:
         raise AdapterError(f"LoRA needs r >= 1 and alpha > 0, got r={r}, alpha={alpha}")
     config = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(target_modules),
@@ -57,7 +63,9 @@ def attach_lora(model: Any, r: int = 8, alpha: int = 16,
     devices: list[torch.device] = []
     with torch.random.fork_rng(devices=devices), _quiet_peft():
         torch.manual_seed(seed)
-        return get_peft_model(model, config)
+        wrapped = get_peft_model(model, config)
+    fuse_lora_products(wrapped)
+    return wrapped
 
 
 @contextmanager
@@ -158,10 +166,14 @@ def load_adapter(base_model: Any, path: str | Path, trainable: bool = False) -> 
     """Return ``base_model`` wrapped with the adapter saved at ``path``."""
     from peft import PeftModel
 
+    from closedloop.policy.lora_product import fuse_lora_products
+
     if not (Path(path) / "adapter_config.json").is_file():
         raise AdapterError(f"{path} holds no adapter_config.json")
     with _quiet_peft():
-        return PeftModel.from_pretrained(base_model, str(path), is_trainable=trainable)
+        wrapped = PeftModel.from_pretrained(base_model, str(path), is_trainable=trainable)
+    fuse_lora_products(wrapped)
+    return wrapped
 
 
 class PolicyChecksummer:

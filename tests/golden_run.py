@@ -14,6 +14,13 @@ Bits are a host's: a CPU whose float32 kernels sum in another order drifts by ~1
 warm start, and a sampled token flips (seen on a second AVX2 EPYC). So a host whose kernels
 round differently (``host_numerics``) keeps its own fingerprint, ``sync_run.<numerics>.json``,
 written by ``main`` on that host; a host without one is compared with ``sync_run.json``.
+
+Hashes of weights (``WEIGHT_HASH_KEYS``: a record's weight checksum, and the manifest hash that
+contains it) follow the bits of every product of training, not only the host's: a product
+summed in another order moves them while every figure stays within ``REL_TOL``. They are
+compared by their pattern (``weight_hash_pattern``: which records saw the same weights, and
+which other weights), so an evaluation of the wrong policy still fails; the weights themselves
+are compared by the adapter's per-tensor sums and norms.
 """
 
 from __future__ import annotations
@@ -114,6 +121,32 @@ def fingerprint(run_dir: Path) -> dict[str, Any]:
                for k, v in sorted(ckpt.model_state.items())}
     return {"traces": traces, "ledger": states, "metrics": metrics, "adapter": adapter,
             "checkpoint_step": ckpt.step, "torch": torch.__version__}
+
+
+WEIGHT_HASH_KEYS = ("weight_checksum", "manifest_hash")
+
+
+def weight_hash_pattern(fp: dict[str, Any]) -> dict[str, Any]:
+    """``fp`` with every ``WEIGHT_HASH_KEYS`` value of its metrics records replaced by a label,
+    ``<key>#<n>``: the n-th distinct value of that key in the records' sorted order. Equal
+    hashes get equal labels; the hashes' bits are dropped (module doc)."""
+    out = json.loads(json.dumps(fp))
+    seen: dict[str, dict[str, str]] = {key: {} for key in WEIGHT_HASH_KEYS}
+
+    def relabel(value: Any) -> None:
+        if isinstance(value, dict):
+            for k in sorted(value):
+                if k in seen and isinstance(value[k], str):
+                    labels = seen[k]
+                    value[k] = labels.setdefault(value[k], f"{k}#{len(labels)}")
+                else:
+                    relabel(value[k])
+        elif isinstance(value, list):
+            for v in value:
+                relabel(v)
+
+    relabel(out.get("metrics", {}))
+    return out
 
 
 NOISE_ABS_TOL = 1e-3

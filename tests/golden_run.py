@@ -126,26 +126,37 @@ def fingerprint(run_dir: Path) -> dict[str, Any]:
 WEIGHT_HASH_KEYS = ("weight_checksum", "manifest_hash")
 
 
-def weight_hash_pattern(fp: dict[str, Any]) -> dict[str, Any]:
-    """``fp`` with every ``WEIGHT_HASH_KEYS`` value of its metrics records replaced by a label,
-    ``<key>#<n>``: the n-th distinct value of that key in the records' sorted order. Equal
-    hashes get equal labels; the hashes' bits are dropped (module doc)."""
-    out = json.loads(json.dumps(fp))
-    seen: dict[str, dict[str, str]] = {key: {} for key in WEIGHT_HASH_KEYS}
+def weight_hash_paths(fp: dict[str, Any]) -> list[tuple[str, ...]]:
+    """The paths (below ``metrics``) of every ``WEIGHT_HASH_KEYS`` field of ``fp``, sorted."""
+    paths: list[tuple[str, ...]] = []
 
-    def relabel(value: Any) -> None:
+    def walk(value: Any, path: tuple[str, ...]) -> None:
         if isinstance(value, dict):
-            for k in sorted(value):
-                if k in seen and isinstance(value[k], str):
-                    labels = seen[k]
-                    value[k] = labels.setdefault(value[k], f"{k}#{len(labels)}")
+            for k, v in value.items():
+                if k in WEIGHT_HASH_KEYS and isinstance(v, str):
+                    paths.append((*path, k))
                 else:
-                    relabel(value[k])
-        elif isinstance(value, list):
-            for v in value:
-                relabel(v)
+                    walk(v, (*path, k))
 
-    relabel(out.get("metrics", {}))
+    walk(fp.get("metrics", {}), ())
+    return sorted(paths)
+
+
+def weight_hash_pattern(fp: dict[str, Any], paths: list[tuple[str, ...]]) -> dict[str, Any]:
+    """``fp`` with the weight hash at each of ``paths`` (``weight_hash_paths`` of the golden)
+    replaced by a label, ``<key>#<n>``: the n-th distinct value of that key along ``paths``.
+    Equal hashes get equal labels and the bits are dropped (module doc); hashes at other paths
+    (records the golden does not have) are left as they are."""
+    out = json.loads(json.dumps(fp))
+    labels: dict[str, dict[str, str]] = {key: {} for key in WEIGHT_HASH_KEYS}
+    for path in paths:
+        record = out.get("metrics", {})
+        for k in path[:-1]:
+            record = record.get(k, {}) if isinstance(record, dict) else {}
+        key = path[-1]
+        if isinstance(record, dict) and isinstance(record.get(key), str):
+            seen = labels[key]
+            record[key] = seen.setdefault(record[key], f"{key}#{len(seen)}")
     return out
 
 

@@ -19,6 +19,7 @@ from tests.golden_run import (
     fingerprint,
     golden_config,
     golden_for_host,
+    weight_hash_paths,
     weight_hash_pattern,
 )
 
@@ -35,8 +36,9 @@ def test_sync_run_reproduces_the_golden_fingerprint(tiny_agent_dir: Path,
     finally:
         torch.set_num_threads(threads)
     now = fingerprint(tmp_path / "run")
-    diffs = differences(weight_hash_pattern({k: v for k, v in golden.items() if k != "torch"}),
-                        weight_hash_pattern(now))
+    golden = {k: v for k, v in golden.items() if k != "torch"}
+    paths = weight_hash_paths(golden)
+    diffs = differences(weight_hash_pattern(golden, paths), weight_hash_pattern(now, paths))
     assert not diffs, "the synchronous run departs from its golden:\n" + "\n".join(diffs[:20])
 
 
@@ -52,18 +54,26 @@ def test_the_comparison_can_fail() -> None:
 
 
 def test_the_weight_hashes_compare_by_their_pattern() -> None:
-    """Other bits of every weight hash pass; an evaluation that saw other weights than its
-    golden (the final suite evaluated on the start policy) fails."""
+    """Other bits of every weight hash pass, and so do records the golden lacks; an evaluation
+    that saw other weights than its golden's (the final suite evaluated on the start policy)
+    fails."""
     golden = json.loads(GOLDEN.read_text())
+    paths = weight_hash_paths(golden)
+    assert len(paths) == 5
+
+    def compared(run: dict) -> list[str]:
+        return differences(weight_hash_pattern(golden, paths), weight_hash_pattern(run, paths))
+
     rebits = json.loads(GOLDEN.read_text())
     for record in rebits["metrics"].values():
         for key in ("weight_checksum", "manifest_hash"):
             if key in record:
                 record[key] = record[key][:-8] + "00000000"
-    assert differences(weight_hash_pattern(golden), weight_hash_pattern(rebits)) == []
+    rebits["metrics"]['["aaa_new", 0, null]'] = {"manifest_hash": "sha256:" + "1" * 64}
+    assert compared(rebits) == []
     wrong = json.loads(GOLDEN.read_text())
     metrics = wrong["metrics"]
     metrics['["eval", null, "final"]']["manifest_hash"] = (
         metrics['["eval", null, "start"]']["manifest_hash"])
-    diffs = differences(weight_hash_pattern(golden), weight_hash_pattern(wrong))
+    diffs = compared(wrong)
     assert diffs and all("/manifest_hash" in d for d in diffs), diffs

@@ -1,6 +1,6 @@
 """Benchmark (not a test): multi-turn rollout generation through ``HFGenerator`` (issue 3).
 
-Six modes on the embedded model (fp32 weights), each producing 8-turn episodes of a fixed shape:
+Eight modes on the embedded model (fp32 weights), each producing 8-turn episodes of a fixed shape:
 a ~200-token prompt, then per turn exactly ``--action`` (24) sampled action ids (no stop token,
 no stop sequence, so every action runs to ``max_new_tokens``) and ``--obs`` (40) fixed
 observation ids appended with ``extend``:
@@ -17,7 +17,11 @@ observation ids appended with ``extend``:
   a decode copy: the copies' gain, side by side;
 - ``kv_batched_strided``: as ``kv_batched`` with the lean copy's weights kept strided
   (``HFGenerator(packed_weights=False)``) instead of oneDNN-packed: the packed layout's gain,
-  side by side (the same as ``kv_batched`` where torch has no oneDNN).
+  side by side (the same as ``kv_batched`` where torch has no oneDNN);
+- ``kv_batched_matmul_attention``: as ``kv_batched`` with decode attention as two batched
+  matmuls (``HFGenerator(fused_attention=False)``) instead of the C loops of
+  ``closedloop.engine.decode_attention``: their gain, side by side (the same as ``kv_batched``
+  where no C compiler built them).
 
 Throughput is sampled action tokens per second of generation wall time. One-at-a-time modes
 run ``--seq-episodes`` episodes (default 1; the per-episode cost does not depend on how many
@@ -56,11 +60,11 @@ TOOLS = [{"name": n, "description": f"{n} a file in the workspace",
           "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}
          for n in ("read_file", "write_file", "list_dir")]
 MODES = ("kv_batched", "reprefill_batched", "kv_sequential", "naive", "kv_batched_module",
-         "kv_batched_native", "kv_batched_strided")
+         "kv_batched_native", "kv_batched_strided", "kv_batched_matmul_attention")
 TARGETS = {"kv_batched/reprefill_batched": 2.0, "kv_batched/kv_sequential": 3.0,
            "kv_batched/naive": 5.0, "kv_sequential/naive": 2.0,
            "kv_batched/kv_batched_module": 1.0, "kv_batched/kv_batched_native": 1.0,
-           "kv_batched/kv_batched_strided": 1.0}
+           "kv_batched/kv_batched_strided": 1.0, "kv_batched/kv_batched_matmul_attention": 1.0}
 
 
 def run_episodes(gen: HFGenerator, prompt: list[int], n: int, turns: int, action: int,
@@ -92,7 +96,8 @@ def measure(mode: str, model: object, tok: object, prompt: list[int], args: argp
     gen = HFGenerator(model, tok, reprefill=reprefill, stop_token_ids=(), stop_sequences=(),
                       weight_checksum="bench", decode_copy=mode != "kv_batched_native",
                       lean_decode=mode != "kv_batched_module", precision=precision,
-                      packed_weights=mode != "kv_batched_strided")
+                      packed_weights=mode != "kv_batched_strided",
+                      fused_attention=mode != "kv_batched_matmul_attention")
     if "batched" in mode:
         new, dt = run_episodes(gen, prompt, args.group, args.turns, args.action, obs_ids, seed)
     else:

@@ -14,6 +14,10 @@ Bits are a host's: a CPU whose float32 kernels sum in another order drifts by ~1
 warm start, and a sampled token flips (seen on a second AVX2 EPYC). So a host whose kernels
 round differently (``host_numerics``) keeps its own fingerprint, ``sync_run.<numerics>.json``,
 written by ``main`` on that host; a host without one is compared with ``sync_run.json``.
+The run keeps the decode attention in torch's matmul form (``CLOSEDLOOP_NATIVE=0``): the C loops
+(``closedloop.engine.attention_loops``) are compiled for each host's instruction set, so their
+rounding is not among the bits ``host_numerics`` reads; they are tested against the matmul form
+on their own.
 
 Hashes of weights (``WEIGHT_HASH_KEYS``: a record's weight checksum, and the manifest hash that
 contains it) follow the bits of every product of training, not only the host's: a product
@@ -203,14 +207,18 @@ def differences(golden: Any, now: Any, where: str = "") -> list[str]:
 def main(argv: list[str]) -> int:
     """Build the tiny agent in ``argv[0]``, run the golden config and write the fingerprint to
     ``argv[1]`` (default: this host's ``sync_run.<numerics>.json``)."""
+    import os
+
     import yaml
 
     from closedloop.config import parse_config
+    from closedloop.engine import NATIVE_ENV
     from closedloop.envs.terminal.task_sets import build_task_sets
     from closedloop.training.loop import train
     from tests.conftest import HELDOUT_TASKS, SEED, TRAIN_TASKS
     from tests.tiny_agent import build_tiny_agent
 
+    os.environ[NATIVE_ENV] = "0"  # the module doc: torch's kernels only
     work = Path(argv[0])
     out = Path(argv[1]) if len(argv) > 1 else GOLDEN.with_name(
         f"sync_run.{host_numerics()}.json")

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from closedloop.config import parse_config
+from closedloop.engine import NATIVE_ENV
 from closedloop.training.loop import train
 from tests.golden_run import (
     GOLDEN,
@@ -26,8 +27,9 @@ from tests.golden_run import (
 pytestmark = pytest.mark.slow  # ~25 s: a whole run (warm start, 4 evaluations, 2 RL steps)
 
 
-def test_sync_run_reproduces_the_golden_fingerprint(tiny_agent_dir: Path,
-                                                    tmp_path: Path) -> None:
+def test_sync_run_reproduces_the_golden_fingerprint(tiny_agent_dir: Path, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(NATIVE_ENV, "0")  # torch's kernels only (tests.golden_run)
     golden = json.loads(golden_for_host().read_text())
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -13,6 +13,9 @@
 - **precision policy**: ``resolve_precision`` / ``resolve_for_run`` decide a run's precision once
   from the host (``CpuFacts``: native bf16 from the CPU flags, else a measured race), recorded
   as a ``PrecisionChoice``;
+- **native kernels**: ``decode_attention`` (decode attention over a grouped-query cache as two C
+  loops built for this host, ``None`` where they do not apply); ``native_unavailable_reason``
+  says why they are not built here (``CLOSEDLOOP_NATIVE=0``, ``NATIVE_ENV``, turns them off);
 - **allocator**: ``tune_allocator`` keeps freed tensor memory in the process (glibc);
   ``release_free_memory`` hands it back once;
 - **device**: ``resolve_device`` (the CPU, or CUDA when present), ``model_device``,
@@ -30,6 +33,7 @@ model and imports no ``transformers``.
 """
 
 from closedloop.engine.allocator import release_free_memory, tune_allocator
+from closedloop.engine.attention_loops import decode_attention, native_unavailable_reason
 from closedloop.engine.device import DEVICES, device_label, model_device, resolve_device
 from closedloop.engine.hf_generator import GeneratorStats, HFGenerator, SessionId
 from closedloop.engine.host_precision import (
@@ -44,6 +48,7 @@ from closedloop.engine.host_precision import (
     warn_if_emulated,
 )
 from closedloop.engine.logprobs import sequence_logprobs
+from closedloop.engine.native_build import DISABLE_ENV as NATIVE_ENV
 from closedloop.engine.precision import (
     PRECISIONS,
     check_precision,
@@ -85,6 +90,8 @@ __all__ = [  # noqa: RUF022 -- grouped by topic, sorted within each group
     # the precision policy
     "CpuFacts", "MatmulRates", "PrecisionChoice", "measure_matmul_rates", "read_cpu_facts",
     "resolve_for_run", "resolve_precision", "warn_if_emulated",
+    # native kernels
+    "NATIVE_ENV", "decode_attention", "native_unavailable_reason",
     # allocator
     "release_free_memory", "tune_allocator",
     # device

@@ -28,12 +28,13 @@ without K/V copies; it re-syncs only blocks whose weights changed), otherwise th
 ``DecodeCopy`` (merged LoRA, transposed Linear weights), which serves any other causal LM a
 local model folder may hold. ``precision`` (``closedloop.engine.precision``: ``float32`` or
 ``bfloat16`` matmuls) is applied the same way the trainer applies it, so the auditor compares
-like with like. Six switches exist for comparison only (benchmarks and tests):
+like with like. Seven switches exist for comparison only (benchmarks and tests):
 ``lean_decode=False`` forces the module copy on a Llama, ``packed_weights=False`` keeps the lean
 copy's weights strided instead of oneDNN-packed, ``packed_prefill=False`` runs a padded prefill's
 padding through the lean copy's products, ``share_prompt_prefix=False`` prefills every distinct
-prompt whole, ``decode_copy=False`` runs the policy module itself, ``reprefill=True`` drops the
-caches.
+prompt whole, ``fused_attention=False`` runs the lean copy's decode attention as batched
+matmuls instead of its C loops, ``decode_copy=False`` runs the policy module itself,
+``reprefill=True`` drops the caches.
 
 The last sampled id of an action is not fed to the model: it is the first pending id of the next
 turn. Sampling draws one float64 uniform per live row from the ``torch.Generator`` per step
@@ -125,14 +126,16 @@ class HFGenerator:
                  max_context: int | None = None,
                  decode_copy: bool = True, precision: str = "float32",
                  lean_decode: bool = True, packed_weights: bool = True,
-                 packed_prefill: bool = True, share_prompt_prefix: bool = True) -> None:
+                 packed_prefill: bool = True, share_prompt_prefix: bool = True,
+                 fused_attention: bool = True) -> None:
         self.model = model
         self.device = model_device(model)  # inputs are built here (closedloop.engine.device)
         self.precision = check_precision(precision)
         self._decode: DecodeCopy | LlamaDecodeCopy | None = None
         if decode_copy and lean_decode and supports(model) is None:
             self._decode = LlamaDecodeCopy(model, precision, packed=packed_weights,
-                                           packed_prefill=packed_prefill)
+                                           packed_prefill=packed_prefill,
+                                           fused_attention=fused_attention)
         elif decode_copy:
             self._decode = DecodeCopy(model, precision)
         self.max_context = int(max_context or getattr(model.config, "max_position_embeddings",

@@ -10,9 +10,10 @@ holds the *same function* as a ``LlamaForCausalLM`` (LoRA merged,
 - per layer, ``x @ [Wq; Wk; Wv]^T`` is one GEMM and ``x @ [Wgate; Wup]^T`` another, so a block
   makes 4 matrix products instead of 7, each weight stored transposed (``[in, out]``);
 - rotary ``cos``/``sin`` are computed once per forward from the position ids;
-- decode attention (one new id per row) is two batched matmuls over the grouped heads,
-  ``q [B, H_kv, g, D] @ K^T [B, H_kv, D, L]``, with no copy of the K/V cache; a prefill (several
-  ids per row) uses ``scaled_dot_product_attention`` with ``enable_gqa``;
+- decode attention (one new id per row) reads the K/V cache once, in place, through the C
+  loops of ``closedloop.engine.decode_attention`` (where they are built; else two batched
+  matmuls over the grouped heads, ``q [B, H_kv, g, D] @ K^T [B, H_kv, D, L]``); a prefill
+  (several ids per row) uses ``scaled_dot_product_attention`` with ``enable_gqa``;
 - a prefill whose rows are padded (pending ids of unequal length: one turn's observations)
   runs the norms, projections and MLP on its real ids only, packed into one matrix, and
   scatters them into the padded layout for attention alone (``_packed_tail``): its cost is
@@ -60,6 +61,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from closedloop.engine.attention_loops import decode_attention
 from closedloop.engine.decode_copy import effective_bias, effective_weight, is_mergeable_lora
 from closedloop.engine.precision import bf16_matmul, check_precision
 
@@ -111,16 +113,18 @@ class LlamaDecodeCopy:
     weight change; ``last_logits`` runs one forward and returns float32 ``[B, V]``."""
 
     def __init__(self, model: Any, precision: str = "float32", packed: bool = True,
-                 packed_prefill: bool = True) -> None:
+                 packed_prefill: bool = True, fused_attention: bool = True) -> None:
         """``packed=False`` keeps every weight strided (the module doc's packing off);
-        ``packed_prefill=False`` runs a padded prefill's padding through the products (for
-        comparison: the same logits, more work)."""
+        ``packed_prefill=False`` runs a padded prefill's padding through the products;
+        ``fused_attention=False`` runs decode attention as the two batched matmuls even where
+        the C loops are built (both for comparison: the same logits up to rounding)."""
         reason = supports(model)
         if reason is not None:
             raise ValueError(f"LlamaDecodeCopy cannot hold this model: {reason}")
         self.precision = check_precision(precision)
         self.packed = packed
         self.packed_prefill = packed_prefill
+        self.fused_attention = fused_attention
         self.source = model.get_base_model() if hasattr(model, "get_base_model") else model
         cfg = self.source.config
         self.n_heads = int(cfg.num_attention_heads)
@@ -379,6 +383,10 @@ class LlamaDecodeCopy:
         hkv = keys.shape[1]
         if p == 1:
             g = hq // hkv
+            fused = decode_attention(q.reshape(b, hkv, g, d), keys, values, allowed,
+                                     self.scale) if self.fused_attention else None
+            if fused is not None:
+                return fused.reshape(b, 1, hq * d)
             scores = torch.matmul(q.reshape(b, hkv, g, d), keys.transpose(-1, -2)) * self.scale
             scores = scores.masked_fill(~allowed, float("-inf"))  # allowed [B, 1, 1, L]
             out = torch.matmul(torch.softmax(scores, dim=-1), values)  # [B, Hkv, g, D]

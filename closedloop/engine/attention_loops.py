@@ -8,8 +8,9 @@ For each row ``b`` and key/value head ``h`` with its ``G`` query heads, over ``L
 
 The torch form is two batched matmuls, ``q [B, H, G, D] @ Kᵀ`` and ``p @ V``, with ``G`` rows
 each (3 for SmolLM2). At decode sizes the cache dominates the bytes and each product's ``G``
-rows leave the matmul kernel at about half the host's streaming rate (``docs/performance.md``,
-"Decode attention as two C loops"). Here each product is a C loop (``native_build``) that reads
+rows leave the matmul kernel at one half to two thirds of the host's streaming rate (the "loops
+built for the host" of ``docs/concepts.md``, measured in ``docs/performance.md``). Here each
+product is a C loop (``native_build``), run on torch's OpenMP threads, that reads
 every cached key and value exactly once and keeps the ``G`` query rows (or the ``G`` output rows)
 in cache: the scores as ``G`` dot products per key, the output as ``G`` axpys per value, the
 rows ``(b, h)`` split over ``torch.get_num_threads()`` threads. The mask and the softmax stay

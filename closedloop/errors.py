@@ -344,6 +344,11 @@ class PrecisionError(ClosedloopError, ValueError):
     """An unknown matmul precision name (not one of ``engine.PRECISIONS``)."""
 
 
+class NativeBuildError(ClosedloopError, RuntimeError):
+    """A C source could not be built for this host (no compiler, or the compiler failed); caught
+    by ``closedloop.engine.native_build``, whose callers then keep their torch path."""
+
+
 class EmulatedBf16Warning(ClosedloopError, UserWarning):
     """Warned (never raised) when bfloat16 matmuls are forced on a host that emulates them, many
     times slower than float32 (``closedloop.engine.host_precision``)."""

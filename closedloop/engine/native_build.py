@@ -2,8 +2,9 @@
 
 A few hot loops (``closedloop.engine.attention_loops``) run faster as plain C than as the
 torch calls they replace. They are compiled on the machine that runs them, with the host's
-instruction set (``-march=native``) and ``-ffast-math`` (reductions may be reordered and
-vectorized; the result then differs from a sequential sum by float rounding), into a shared
+instruction set (``-march=native``) and reassociation allowed (``FLAGS``: reductions may be
+reordered and vectorized; the result then differs from a sequential sum by float rounding; no
+``-ffast-math``, which would flush subnormals to zero process-wide), into a shared
 library under a cache folder, and loaded through ``ctypes`` (which releases the GIL during the
 call). No torch headers are involved: a library builds in well under a second. Parallel loops
 use OpenMP (``-fopenmp``); the library's ``libgomp.so.1`` resolves to the one torch has already
@@ -34,10 +35,16 @@ from pathlib import Path
 from typing import Any
 
 from closedloop.engine.host_precision import read_cpu_facts
+from closedloop.errors import NativeBuildError
 
 DISABLE_ENV = "CLOSEDLOOP_NATIVE"
 CACHE_ENV = "CLOSEDLOOP_KERNEL_CACHE"
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared")
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
+         "-fno-trapping-math", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared")
+"""Reassociation lets reductions vectorize, but not ``-ffast-math``/``-Ofast``/
+``-funsafe-math-optimizations``: linking a shared library with those adds ``crtfastmath.o``,
+which on loading sets flush-to-zero and denormals-are-zero for the whole process (torch,
+numpy, Python floats), changing every later result that passes through a subnormal."""
 BUILD_TIMEOUT_S = 120
 
 _loaded: dict[str, Any] = {}
@@ -71,7 +78,7 @@ def load_native(name: str, source: str) -> Any | None:
     lib = None
     try:
         lib = ctypes.CDLL(str(_built(name, source)))
-    except (OSError, subprocess.SubprocessError, _BuildError) as exc:
+    except (OSError, subprocess.SubprocessError, NativeBuildError) as exc:
         _reasons[name] = " ".join(str(exc).split())[:300] or type(exc).__name__
     _loaded[name] = lib
     return lib
@@ -83,15 +90,11 @@ def why_not(name: str) -> str | None:
     return _reasons.get(name)
 
 
-class _BuildError(RuntimeError):
-    pass
-
-
 def _compiler() -> str:
     found = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") \
         or shutil.which("clang")
     if not found:
-        raise _BuildError("no C compiler (cc, gcc or clang) on PATH")
+        raise NativeBuildError("no C compiler (cc, gcc or clang) on PATH")
     return found
 
 
@@ -115,6 +118,6 @@ def _built(name: str, source: str) -> Path:
                               capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if done.returncode != 0:
             errors = [ln for ln in done.stderr.splitlines() if "error" in ln] or [done.stderr]
-            raise _BuildError(f"{cc} failed ({done.returncode}): {errors[0].strip()}")
+            raise NativeBuildError(f"{cc} failed ({done.returncode}): {errors[0].strip()}")
         os.replace(out, target)
     return target

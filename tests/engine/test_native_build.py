@@ -63,3 +63,32 @@ def test_switched_off_by_the_environment(monkeypatch):
     monkeypatch.setenv(native_build.DISABLE_ENV, "0")
     assert native_build.load_native("adder", SOURCE) is None
     assert native_build.why_not("adder") == "CLOSEDLOOP_NATIVE=0"
+
+
+def test_loading_a_library_keeps_subnormal_floats(monkeypatch):
+    """The flags reassociate but never link ``crtfastmath.o`` (``-ffast-math`` does), which would
+    set flush-to-zero/denormals-are-zero for the whole process on loading."""
+    tiny = 2.2250738585072014e-308  # the smallest normal double
+    assert tiny / 4 > 0.0
+    lib = native_build.load_native("subnormal", SOURCE.replace("a + b", "a * b"))
+    assert lib is not None and lib.cl_add(6, 7) == 42
+    assert tiny / 4 > 0.0
+    import torch
+
+    assert float(torch.tensor(1e-40, dtype=torch.float32) * 1.0) > 0.0
+
+
+def test_the_fast_math_flags_are_what_that_test_catches(tmp_path):
+    """The check above can fail: a library linked with ``-ffast-math`` flushes subnormals."""
+    import subprocess
+    import sys
+
+    src = tmp_path / "fm.c"
+    src.write_text(SOURCE)
+    lib = tmp_path / "fm.so"
+    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    subprocess.run([cc, "-O2", "-ffast-math", "-fPIC", "-shared", "-o", str(lib), str(src)],
+                   check=True)
+    code = ("import ctypes, sys; t = 2.2250738585072014e-308; before = t / 4 > 0; "
+            f"ctypes.CDLL({str(lib)!r}); sys.exit(0 if before and t / 4 == 0 else 3)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

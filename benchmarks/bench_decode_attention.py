@@ -5,8 +5,8 @@ Two measurements, each alternating the two forms in one process:
 - ``attention``: one decode step's attention at the multi-turn benchmark's shapes (32 rows,
   SmolLM2's 9 query / 3 key-value heads of 64, each of 30 layers its own cache buffer, so
   nothing stays cache-resident), at several cached lengths: ms per layer and the bytes of K/V
-  read per second; ``closedloop.engine.decode_attention`` against the matmul form the decode
-  copy falls back to;
+  read per second; ``closedloop.engine.decode_attention`` against
+  ``matmul_decode_attention``, the form the decode copy falls back to;
 - ``decode``: what the generator runs, ``HFGenerator`` on the embedded SmolLM2 (float32, packed
   weights) with ``fused_attention`` on and off: 32 sessions of one ``--context``-id prompt, then
   ``--steps`` sampled ids each; seconds per sampled id of a row (the shared prompt's prefill
@@ -32,20 +32,12 @@ MODES = ("loops", "matmul")
 ROWS, HEADS, KV_HEADS, DIM, LAYERS = 32, 9, 3, 64, 30
 
 
-def _matmul_form(q, keys, values, allowed, scale):
-    """The decode copy's fallback: two batched matmuls, the same mask and softmax."""
-    import torch
-
-    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
-    return torch.matmul(torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1), values)
-
-
 def bench_attention(lengths: list[int], repeats: int, summary: str | None) -> None:
     import torch
 
-    from closedloop.engine import decode_attention
+    from closedloop.engine import decode_attention, matmul_decode_attention
 
-    forms = {"loops": decode_attention, "matmul": _matmul_form}
+    forms = {"loops": decode_attention, "matmul": matmul_decode_attention}
     for length in lengths:
         gen = torch.Generator().manual_seed(length)
         caches = [(torch.randn(ROWS, KV_HEADS, length + 64, DIM, generator=gen)[:, :, :length],
@@ -74,8 +66,8 @@ def bench_attention(lengths: list[int], repeats: int, summary: str | None) -> No
 
 
 def bench_decode(context: int, steps: int, repeats: int, summary: str | None) -> None:
-    """The generator as runs use it: ``ROWS`` sessions of one ``context``-id prompt (prefilled
-    once per mode and repeat, not timed), then ``steps`` sampled ids each (timed)."""
+    """The generator as runs use it: ``ROWS`` sessions of one ``context``-id prompt, then
+    ``steps`` sampled ids each, timed together (the prompt's prefill is in the first call)."""
     import torch
 
     from closedloop.contracts import SamplerConfig

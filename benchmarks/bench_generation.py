@@ -20,7 +20,7 @@ observation ids appended with ``extend``:
   side by side (the same as ``kv_batched`` where torch has no oneDNN);
 - ``kv_batched_matmul_attention``: as ``kv_batched`` with decode attention as two batched
   matmuls (``HFGenerator(fused_attention=False)``) instead of the C loops of
-  ``closedloop.engine.decode_attention``: their gain, side by side (the same as ``kv_batched``
+  ``closedloop.engine.attention_loops``: their gain, side by side (the same as ``kv_batched``
   where no C compiler built them).
 
 Throughput is sampled action tokens per second of generation wall time. One-at-a-time modes

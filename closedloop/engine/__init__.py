@@ -14,7 +14,8 @@
   from the host (``CpuFacts``: native bf16 from the CPU flags, else a measured race), recorded
   as a ``PrecisionChoice``;
 - **native kernels**: ``decode_attention`` (decode attention over a grouped-query cache as two C
-  loops built for this host, ``None`` where they do not apply); ``native_unavailable_reason``
+  loops built for this host, ``None`` where they do not apply; ``matmul_decode_attention`` is the
+  torch form); ``native_unavailable_reason``
   says why they are not built here (``CLOSEDLOOP_NATIVE=0``, ``NATIVE_ENV``, turns them off);
 - **allocator**: ``tune_allocator`` keeps freed tensor memory in the process (glibc);
   ``release_free_memory`` hands it back once;
@@ -33,7 +34,11 @@ model and imports no ``transformers``.
 """
 
 from closedloop.engine.allocator import release_free_memory, tune_allocator
-from closedloop.engine.attention_loops import decode_attention, native_unavailable_reason
+from closedloop.engine.attention_loops import (
+    decode_attention,
+    matmul_decode_attention,
+    native_unavailable_reason,
+)
 from closedloop.engine.device import DEVICES, device_label, model_device, resolve_device
 from closedloop.engine.hf_generator import GeneratorStats, HFGenerator, SessionId
 from closedloop.engine.host_precision import (
@@ -91,7 +96,7 @@ __all__ = [  # noqa: RUF022 -- grouped by topic, sorted within each group
     "CpuFacts", "MatmulRates", "PrecisionChoice", "measure_matmul_rates", "read_cpu_facts",
     "resolve_for_run", "resolve_precision", "warn_if_emulated",
     # native kernels
-    "NATIVE_ENV", "decode_attention", "native_unavailable_reason",
+    "NATIVE_ENV", "decode_attention", "matmul_decode_attention", "native_unavailable_reason",
     # allocator
     "release_free_memory", "tune_allocator",
     # device

@@ -19,7 +19,7 @@ torch's (the same calls as the matmul form), so only the two products' summation
 
 ``decode_attention`` returns ``None`` where the loops do not apply (not CPU float32, autograd
 recording, a cache whose last dimension is strided, or no library: ``native_build.why_not``);
-the caller then runs the matmul form.
+the caller then runs ``matmul_decode_attention``, the torch form.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from closedloop.engine.native_build import DISABLE_ENV, load_native, native_enab
 
 NAME = "attention_loops"
 MIN_THREADED_FLOATS = 1 << 16
-"""Below this many cached floats per call the loops run on one thread (a thread's start costs
-more than the work)."""
+"""Below this many cached floats per call the loops run on one thread (an OpenMP region's fork
+and join cost more than the work)."""
 
 SOURCE = r"""
 #include <stdint.h>
@@ -174,6 +174,16 @@ def _applies(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
     same = keys.shape == values.shape and q.dim() == keys.dim() == 4 \
         and q.shape[:2] == keys.shape[:2] and q.shape[3] == keys.shape[3]
     return same and keys.stride(-1) == 1 and values.stride(-1) == 1
+
+
+def matmul_decode_attention(q_B_H_G_D: torch.Tensor, keys_B_H_L_D: torch.Tensor,
+                            values_B_H_L_D: torch.Tensor, allowed_B_1_1_L: torch.Tensor,
+                            scale: float) -> torch.Tensor:
+    """The module doc's formula as two batched matmuls, ``[B, H, G, D]``: the form every dtype,
+    device and autograd state runs, and the one the loops are compared with."""
+    scores = torch.matmul(q_B_H_G_D, keys_B_H_L_D.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~allowed_B_1_1_L, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), values_B_H_L_D)
 
 
 def decode_attention(q_B_H_G_D: torch.Tensor, keys_B_H_L_D: torch.Tensor,

@@ -11,7 +11,7 @@ holds the *same function* as a ``LlamaForCausalLM`` (LoRA merged,
   makes 4 matrix products instead of 7, each weight stored transposed (``[in, out]``);
 - rotary ``cos``/``sin`` are computed once per forward from the position ids;
 - decode attention (one new id per row) reads the K/V cache once, in place, through the C
-  loops of ``closedloop.engine.decode_attention`` (where they are built; else two batched
+  loops of ``closedloop.engine.attention_loops`` (where they are built; else two batched
   matmuls over the grouped heads, ``q [B, H_kv, g, D] @ K^T [B, H_kv, D, L]``); a prefill
   (several ids per row) uses ``scaled_dot_product_attention`` with ``enable_gqa``;
 - a prefill whose rows are padded (pending ids of unequal length: one turn's observations)
@@ -61,7 +61,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from closedloop.engine.attention_loops import decode_attention
+from closedloop.engine.attention_loops import decode_attention, matmul_decode_attention
 from closedloop.engine.decode_copy import effective_bias, effective_weight, is_mergeable_lora
 from closedloop.engine.precision import bf16_matmul, check_precision
 
@@ -382,14 +382,11 @@ class LlamaDecodeCopy:
         b, hq, p, d = q.shape
         hkv = keys.shape[1]
         if p == 1:
-            g = hq // hkv
-            fused = decode_attention(q.reshape(b, hkv, g, d), keys, values, allowed,
-                                     self.scale) if self.fused_attention else None
-            if fused is not None:
-                return fused.reshape(b, 1, hq * d)
-            scores = torch.matmul(q.reshape(b, hkv, g, d), keys.transpose(-1, -2)) * self.scale
-            scores = scores.masked_fill(~allowed, float("-inf"))  # allowed [B, 1, 1, L]
-            out = torch.matmul(torch.softmax(scores, dim=-1), values)  # [B, Hkv, g, D]
+            grouped = q.reshape(b, hkv, hq // hkv, d)  # allowed [B, 1, 1, L]
+            out = decode_attention(grouped, keys, values, allowed, self.scale) \
+                if self.fused_attention else None
+            if out is None:
+                out = matmul_decode_attention(grouped, keys, values, allowed, self.scale)
             return out.reshape(b, 1, hq * d)
         out = nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=allowed,
                                                          scale=self.scale, enable_gqa=True)

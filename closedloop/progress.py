@@ -6,6 +6,7 @@ import contextlib
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
@@ -65,7 +66,10 @@ _DEPTH = [0]
 @contextlib.contextmanager
 def phase(name: str) -> Iterator[None]:
     """Time a phase of this process's work (nested phases are indented under their parent);
-    ``phase_times`` lists every phase timed since ``reset_phases``, in start order."""
+    ``phase_times`` lists every phase timed since ``reset_phases``, in start order, each with
+    the process's memory when it ended: ``peak_rss_gb``, the most resident memory the process
+    has held so far (so the first phase whose peak jumps is the one that set it), and
+    ``rss_gb``, what it still held (``memory_gb``)."""
     entry: dict[str, Any] = {"phase": name, "depth": _DEPTH[0], "seconds": None}
     _PHASES.append(entry)
     _DEPTH[0] += 1
@@ -75,6 +79,29 @@ def phase(name: str) -> Iterator[None]:
     finally:
         _DEPTH[0] -= 1
         entry["seconds"] = time.perf_counter() - t0
+        entry["rss_gb"], entry["peak_rss_gb"] = memory_gb()
+
+
+def memory_gb() -> tuple[float | None, float | None]:
+    """``(resident now, peak resident so far)`` of this process in GB (10^9 bytes); ``None``
+    where the platform does not say (resident now is read from ``/proc/self/statm``)."""
+    now = peak = None
+    try:
+        import resource
+
+        # ru_maxrss is in KiB on Linux, in bytes on macOS
+        scale = 1 if sys.platform == "darwin" else 1024
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 1e9
+    except (ImportError, OSError):
+        pass
+    try:
+        import os
+
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        now = pages * os.sysconf("SC_PAGE_SIZE") / 1e9
+    except (OSError, ValueError, IndexError):
+        pass
+    return now, peak
 
 
 def phase_times() -> list[dict[str, Any]]:
@@ -89,7 +116,15 @@ def reset_phases() -> None:
 
 
 def phase_lines(phases: list[dict[str, Any]]) -> list[str]:
-    """The phases as indented ``name  seconds`` lines."""
+    """The phases as indented ``name  seconds`` lines, with the memory at each one's end
+    (``held X GB, peak Y GB``) where it was recorded."""
     return [f"{'  ' * int(p['depth'])}{p['phase']:<{40 - 2 * int(p['depth'])}} "
             f"{p['seconds'] if p['seconds'] is None else round(p['seconds'])} s"
-            for p in phases]
+            + _memory_text(p) for p in phases]
+
+
+def _memory_text(p: dict[str, Any]) -> str:
+    held, peak = p.get("rss_gb"), p.get("peak_rss_gb")
+    parts = ([f"held {held:.1f} GB"] if held is not None else []) + (
+        [f"peak {peak:.1f} GB"] if peak is not None else [])
+    return f"  ({', '.join(parts)})" if parts else ""

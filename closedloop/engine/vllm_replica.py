@@ -111,7 +111,9 @@ class Probe:
 def trainer_probe_reference(model: Any, temperature: float,
                             precision: str = "float32") -> ProbeReference:
     """A ``ProbeReference`` scoring with ``model`` as it is now, on the trainer's path
-    (``trainer_path_logprobs`` at ``temperature``, matmul ``precision``), in eval mode."""
+    (``trainer_path_logprobs`` at ``temperature``, matmul ``precision``), in eval mode: a
+    model in training mode is switched to eval for the call and back; one already in eval
+    mode (an inference copy) is left alone (switching walks every module)."""
     from closedloop.engine.precision import matmul_precision
     from closedloop.engine.prefix_logprobs import trainer_path_logprobs
 
@@ -121,7 +123,8 @@ def trainer_probe_reference(model: Any, temperature: float,
         mask_1_Tm1 = torch.zeros(1, ids_1_T.shape[1] - 1, dtype=torch.bool)
         mask_1_Tm1[0, len(prompt_ids) - 1:] = True
         was_training = model.training
-        model.eval()
+        if was_training:
+            model.eval()
         try:
             with torch.no_grad(), matmul_precision(model, precision):
                 lps = trainer_path_logprobs(model, ids_1_T.to(device),
@@ -129,7 +132,8 @@ def trainer_probe_reference(model: Any, temperature: float,
                                             mask_1_Tm1.to(device), False,
                                             temperature=temperature)
         finally:
-            model.train(was_training)
+            if was_training:
+                model.train(True)
         return [float(v) for v in lps[0, len(prompt_ids) - 1:].cpu()]
 
     return reference

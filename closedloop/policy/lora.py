@@ -132,6 +132,68 @@ def split_state_dict(model: Any) -> tuple[dict[str, torch.Tensor], dict[str, tor
     return base, adapter
 
 
+class SplitView:
+    """``split_state_dict`` of one model with its module tree walked once.
+
+    ``model.state_dict()`` walks every module (~1,600 for a LoRA-wrapped SmolLM2, ~4 ms) on
+    each call; a role reads its split several times per published version (its checksum, the
+    adapter it copies, hashes and loads into). The view records, once, which module holds
+    each state-dict entry and reads the entries from those modules on every call, so a
+    parameter or buffer that was replaced (``module.weight = ...``, ``load_state_dict(...,
+    assign=True)``) is the new one. The module tree itself must not change after the view is
+    made (no module added, removed or swapped: the roles never restructure their models);
+    where the recorded entries do not reproduce ``model.state_dict()`` (a state-dict hook
+    renames or adds entries) the view falls back to ``split_state_dict`` on every call.
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self._plan: list[tuple[str, bool, Any, str, bool]] | None = None
+        self._exact = True
+
+    def __call__(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """``(base, adapter)``, as ``split_state_dict(model)`` returns them now."""
+        if not self._exact or not is_peft_model(self.model):
+            return split_state_dict(self.model)
+        if self._plan is None:
+            self._plan = self._record()
+            if self._plan is None:
+                self._exact = False
+                return split_state_dict(self.model)
+        base: dict[str, torch.Tensor] = {}
+        adapter: dict[str, torch.Tensor] = {}
+        for name, is_adapter, module, key, is_param in self._plan:
+            tensor = (module._parameters if is_param else module._buffers).get(key)
+            if tensor is None:  # an entry was removed: the recorded walk no longer holds
+                self._plan = None
+                return self()
+            (adapter if is_adapter else base)[name] = tensor.detach()
+        return base, adapter
+
+    def _record(self) -> list[tuple[str, bool, Any, str, bool]] | None:
+        plan = []
+        for prefix, module in self.model.named_modules(remove_duplicate=False):
+            head = f"{prefix}." if prefix else ""
+            for key, tensor in module._parameters.items():
+                if tensor is not None:
+                    plan.append((head + key, module, key, True))
+            for key, tensor in module._buffers.items():
+                if tensor is not None and key not in module._non_persistent_buffers_set:
+                    plan.append((head + key, module, key, False))
+        state = self.model.state_dict()
+        if [e[0] for e in plan] != list(state) or any(
+                state[name].data_ptr() != (module._parameters if is_param else module._buffers)[
+                    key].data_ptr() for name, module, key, is_param in plan):
+            return None
+        out = []
+        for name, module, key, is_param in plan:
+            plain = name.removeprefix(PEFT_PREFIX)
+            is_adapter = "lora_" in plain or "modules_to_save" in plain
+            out.append((name if is_adapter else plain.replace(".base_layer.", "."), is_adapter,
+                        module, key, is_param))
+        return out
+
+
 def policy_weight_checksum(model: Any) -> PolicyChecksum:
     """Return base, adapter and combined checksums of a plain or LoRA-wrapped model."""
     if not is_peft_model(model):
@@ -189,6 +251,7 @@ class PolicyChecksummer:
 
     def __init__(self, model: Any) -> None:
         self.model = model
+        self.split = SplitView(model)
         self._key: tuple[tuple[str, int, int], ...] | None = None
         self._base: str | None = None
 
@@ -201,7 +264,7 @@ class PolicyChecksummer:
         if not is_peft_model(self.model):
             base = weights_checksum(self.model)
             return PolicyChecksum(base, None, base)
-        base_sd, adapter_sd = split_state_dict(self.model)
+        base_sd, adapter_sd = self.split()
         key = tuple((name, t.data_ptr(), t._version) for name, t in sorted(base_sd.items()))
         if key != self._key or self._base is None:
             self._base, self._key = checksum_tensors(base_sd.items()), key

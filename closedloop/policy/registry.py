@@ -257,7 +257,8 @@ class PolicyRegistry:
             if version in existing:
                 raise RegistryError(f"policy version {version} already exists (immutable)")
             payload = tensors_to_bytes(state_dict)
-            checksum = state_dict_checksum(load_safetensors(payload))
+            written = load_safetensors(payload)  # what the file will hold, hashed as read
+            checksum = state_dict_checksum(written)
             manifest = _manifest_for(manifest_template, version, checksum, kind)
             final = self.root / "versions" / version
             _clear_staging(self.root / "staging")
@@ -266,8 +267,8 @@ class PolicyRegistry:
                 write_durably(tmp / _FILES[kind], payload)
                 write_durably(tmp / "manifest.json", canonical_json(manifest.to_dict()).encode())
                 write_durably(tmp / "checksum", checksum.encode())
-                write_durably(tmp / "digests.json", canonical_json(
-                    tensor_digests(load_safetensors(payload))).encode())
+                write_durably(tmp / "digests.json",
+                              canonical_json(tensor_digests(written)).encode())
                 _verify_folder(tmp, checksum)
                 fsync_dir(tmp)
                 os.rename(tmp, final)

@@ -29,7 +29,7 @@ import torch
 from closedloop.contracts import PolicyManifest
 from closedloop.engine import trainer_probe_reference
 from closedloop.errors import PublicationError, RegistryError, ReplicaError
-from closedloop.policy.lora import PolicyChecksum, split_state_dict
+from closedloop.policy.lora import PolicyChecksum, SplitView
 from closedloop.policy.registry import PolicyRegistry, version_index
 from closedloop.training.replicas import ReplicaPool
 from closedloop.training.weight_sync import Probe, Proof
@@ -57,6 +57,7 @@ class ProbeReference:
         from closedloop.training.rollout_worker import inference_copy
 
         self.model = inference_copy(model)
+        self._split = SplitView(self.model)
         self.registry = registry
         self.precision = precision
         self.held: str | None = None  # the weight checksum of what the copy holds
@@ -80,7 +81,7 @@ class ProbeReference:
             return self._score(probe)
 
     def _hold(self, checksum: str, adapter: Mapping[str, torch.Tensor]) -> None:
-        own = split_state_dict(self.model)[1]
+        own = self._split()[1]
         if set(adapter) != set(own):
             raise RegistryError("the reference's adapter tensors are not the policy's adapter's")
         self.held, self._scored = None, {}

@@ -29,7 +29,7 @@ from closedloop.contracts import PolicyManifest, TraceWriter
 from closedloop.contracts.package import EnvPackage
 from closedloop.engine import HFGenerator
 from closedloop.errors import ChecksumMismatchError, RegistryError
-from closedloop.policy.lora import PolicyChecksum, PolicyChecksummer, split_state_dict
+from closedloop.policy.lora import PolicyChecksum, PolicyChecksummer
 from closedloop.policy.registry import PolicyRegistry
 from closedloop.policy.weights import tensor_digests
 from closedloop.rollout.source import GeneratorSource
@@ -98,7 +98,7 @@ class RolloutWorker:
 
     def adapter_tensors(self) -> dict[str, torch.Tensor]:
         """The worker's own adapter tensors (live, not copies)."""
-        return split_state_dict(self.model)[1]
+        return self._checksum.split()[1]
 
     def load(self, version: str) -> PolicyManifest:
         """Hold the published ``version``: read it from the registry (verified on read), copy

@@ -74,7 +74,7 @@ class TrainerRole:
 
     def adapter_state(self) -> dict[str, torch.Tensor]:
         """A detached copy of the adapter (what a version stages)."""
-        return adapter_state(self.model)
+        return {k: v.clone() for k, v in self._checksum.split()[1].items()}
 
     def update(self, episodes: Sequence[Any], advantages: Sequence[float],
                success: Sequence[bool], pad_id: int,

@@ -94,3 +94,45 @@ def test_wrapping_and_loading_an_adapter_warn_nothing(tokenizer, tmp_path):
         load_adapter(build_tiny_model(tokenizer, seed=0), save_adapter(model, tmp_path / "a"))
         warnings.warn("an unrelated deprecation", FutureWarning, stacklevel=1)
     assert [str(w.message) for w in caught] == ["an unrelated deprecation"]
+
+
+def _same_split(view_split, plain_split):
+    for got, want in zip(view_split, plain_split, strict=True):
+        assert list(got) == list(want)
+        assert all(got[k].data_ptr() == want[k].data_ptr() and torch.equal(got[k], want[k])
+                   for k in want)
+        assert not any(t.requires_grad for t in got.values())
+
+
+def test_split_view_is_split_state_dict_and_sees_replaced_and_updated_tensors(tokenizer):
+    from closedloop.policy.lora import PolicyChecksummer, SplitView
+
+    peft_model = attach_lora(build_tiny_model(tokenizer, seed=0), r=4, alpha=8, seed=3)
+    view = SplitView(peft_model)
+    _same_split(view(), split_state_dict(peft_model))
+    name, lora_b = next((n, p) for n, p in peft_model.named_parameters() if "lora_B" in n)
+    with torch.no_grad():
+        lora_b[0, 0] += 1.0  # in place
+    _same_split(view(), split_state_dict(peft_model))
+    owner = peft_model.get_submodule(name.rsplit(".", 1)[0])
+    owner.weight = torch.nn.Parameter(torch.full_like(lora_b, 2.0))  # replaced
+    _same_split(view(), split_state_dict(peft_model))
+    assert torch.all(view()[1][name] == 2.0)
+    checksummer = PolicyChecksummer(peft_model)
+    assert checksummer() == policy_weight_checksum(peft_model)
+    base_layer = peft_model.get_submodule("base_model.model.model.layers.0.mlp.down_proj")
+    base_layer.weight = torch.nn.Parameter(base_layer.weight.detach() * 2, requires_grad=False)
+    assert checksummer() == policy_weight_checksum(peft_model)  # a replaced base tensor too
+
+
+def test_split_view_falls_back_where_a_hook_renames_entries(tokenizer):
+    from closedloop.policy.lora import SplitView
+
+    peft_model = attach_lora(build_tiny_model(tokenizer, seed=0), r=4, alpha=8, seed=3)
+
+    def rename(module, state, prefix, local_metadata):
+        key = next(k for k in state if k.endswith("norm.weight"))
+        state["renamed." + key] = state.pop(key)
+
+    peft_model.base_model.model.model._register_state_dict_hook(rename)
+    _same_split(SplitView(peft_model)(), split_state_dict(peft_model))

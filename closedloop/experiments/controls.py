@@ -26,7 +26,7 @@ from typing import Any
 
 from closedloop.config import RunConfig
 from closedloop.contracts import load_episodes
-from closedloop.engine import PrecisionChoice
+from closedloop.engine import PrecisionChoice, release_free_memory
 from closedloop.errors import RunStateError
 from closedloop.evaluate.heldout import EvalSummary, summarize_eval
 from closedloop.evaluate.stats import shared_task_comparison
@@ -181,6 +181,7 @@ def run_experiment(cfg: RunConfig, exp_dir: str | Path,
     log("experiment: cold start (warm start, start evaluation, audit) = the frozen arm")
     with phase("cold start (the frozen arm)"):
         _cold_start(cfg, arms["frozen"], config_override)
+    release_free_memory()  # what the arm freed, before the next one
     precision = cold_start_precision(arms["frozen"])
     controls: tuple[tuple[str, RewardControl], ...] = (
         ("rloo", "none"), ("shuffled", NULL_CONTROL))
@@ -195,6 +196,7 @@ def run_experiment(cfg: RunConfig, exp_dir: str | Path,
                 train(arm_cfg, arms[name], config_override,
                       final_other_suites=name in SUITE_ARMS, final_retain=name in SUITE_ARMS,
                       precision=precision)
+            release_free_memory()  # what the arm freed, before the next one
         elif name in SUITE_ARMS:
             _final_suites(arm_cfg, arms[name], config_override)
     if cfg.credit.experiment_arm != "none":  # the optional credit arm (credit_arm.py)
@@ -206,6 +208,7 @@ def run_experiment(cfg: RunConfig, exp_dir: str | Path,
             with phase(f"arm {name}"):
                 train(credit_arm_config(cfg), arms[name], config_override,
                       final_other_suites=False, final_retain=False, precision=precision)
+            release_free_memory()  # what the arm freed, before the next one
     tokens = _trained_tokens(arms["rloo"])
     _copy_cold_start(arms["frozen"], arms["sft_only"])
     log(f"experiment: arm sft_only, matched to {tokens} RL action tokens")

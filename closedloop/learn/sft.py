@@ -21,6 +21,12 @@ from closedloop.engine import common_prefix_lengths, matmul_precision, shared_pr
 from closedloop.errors import LearnError
 from closedloop.rollout.tensors import build_training_batch, shift_targets
 
+SFT_MICRO_BATCH = 2
+"""Episodes per backward pass of the warm start. The gradient is the whole batch's whatever
+this is (``sft_backward``); it sets the activation memory: two of the smoke's ~850-id
+demonstrations train as fast as eight at half the peak (docs/performance.md, "The smoke's
+memory")."""
+
 
 @dataclass(frozen=True)
 class SFTResult:
@@ -90,7 +96,7 @@ def supervised_warm_start(
     learning_rate: float,
     seed: int,
     max_tokens: int | None = None,
-    micro_batch_size: int = 8,
+    micro_batch_size: int = SFT_MICRO_BATCH,
     precision: str = "float32",
     progress: Callable[[int], None] | None = None,
 ) -> SFTResult:

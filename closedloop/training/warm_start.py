@@ -13,7 +13,7 @@ import torch
 
 from closedloop.contracts import Episode, content_hash
 from closedloop.contracts.package import ScriptedPolicyLike
-from closedloop.engine import drop_bf16_copies
+from closedloop.engine import drop_bf16_copies, release_free_memory
 from closedloop.errors import RunStateError
 from closedloop.learn.sft import supervised_warm_start
 from closedloop.policy import attach_lora
@@ -61,6 +61,7 @@ def warm_start(run: Run) -> None:
     else:
         with phase("warm start"):
             _train_warm_start(run, model, adapter_file)
+        release_free_memory()  # the SFT's freed activations, kept by the tuned allocator
     run.policy.model = model.merge_and_unload()
     # the merge writes the base weights through .data, which a cached bf16 copy cannot see
     drop_bf16_copies(run.policy.model)

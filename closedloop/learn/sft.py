@@ -21,11 +21,11 @@ from closedloop.engine import common_prefix_lengths, matmul_precision, shared_pr
 from closedloop.errors import LearnError
 from closedloop.rollout.tensors import build_training_batch, shift_targets
 
-SFT_MICRO_BATCH = 2
+SFT_MICRO_BATCH = 4
 """Episodes per backward pass of the warm start. The gradient is the whole batch's whatever
-this is (``sft_backward``); it sets the activation memory: two of the smoke's ~850-id
-demonstrations train as fast as eight at half the peak (docs/performance.md, "The smoke's
-memory")."""
+this is (``sft_backward``); it sets the activation memory and the speed: four of the smoke's
+800-920-id demonstrations a pass trained faster than eight at two thirds of the peak, and
+faster than two (docs/performance.md, "The smoke's memory")."""
 
 
 @dataclass(frozen=True)

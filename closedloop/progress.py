@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -95,8 +96,6 @@ def memory_gb() -> tuple[float | None, float | None]:
     except (ImportError, OSError):
         pass
     try:
-        import os
-
         pages = int(Path("/proc/self/statm").read_text().split()[1])
         now = pages * os.sysconf("SC_PAGE_SIZE") / 1e9
     except (OSError, ValueError, IndexError):

@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -167,6 +169,15 @@ def _trained_tokens(run_dir: Path) -> int:
     return total
 
 
+@contextmanager
+def _arm_phase(name: str) -> Iterator[None]:
+    """Time an arm as a phase; once it has finished, return the heap it freed to the OS (the
+    tuned allocator keeps it) before the next arm starts."""
+    with phase(name):
+        yield
+    release_free_memory()
+
+
 def run_experiment(cfg: RunConfig, exp_dir: str | Path,
                    config_override: str | None = None) -> dict[str, Any]:
     """Run (or resume) the four arms and write experiment.json; return its content.
@@ -179,9 +190,8 @@ def run_experiment(cfg: RunConfig, exp_dir: str | Path,
     t0 = time.perf_counter()
     reset_phases()
     log("experiment: cold start (warm start, start evaluation, audit) = the frozen arm")
-    with phase("cold start (the frozen arm)"):
+    with _arm_phase("cold start (the frozen arm)"):
         _cold_start(cfg, arms["frozen"], config_override)
-    release_free_memory()  # what the arm freed, before the next one
     precision = cold_start_precision(arms["frozen"])
     controls: tuple[tuple[str, RewardControl], ...] = (
         ("rloo", "none"), ("shuffled", NULL_CONTROL))
@@ -192,11 +202,10 @@ def run_experiment(cfg: RunConfig, exp_dir: str | Path,
         if not (arms[name] / "summary.json").is_file():
             _copy_cold_start(arms["frozen"], arms[name])
             log(f"experiment: arm {name}")
-            with phase(f"arm {name}"):
+            with _arm_phase(f"arm {name}"):
                 train(arm_cfg, arms[name], config_override,
                       final_other_suites=name in SUITE_ARMS, final_retain=name in SUITE_ARMS,
                       precision=precision)
-            release_free_memory()  # what the arm freed, before the next one
         elif name in SUITE_ARMS:
             _final_suites(arm_cfg, arms[name], config_override)
     if cfg.credit.experiment_arm != "none":  # the optional credit arm (credit_arm.py)
@@ -205,10 +214,9 @@ def run_experiment(cfg: RunConfig, exp_dir: str | Path,
         if not (arms[name] / "summary.json").is_file():
             _copy_cold_start(arms["frozen"], arms[name])
             log(f"experiment: arm {name} (credit.estimator {name})")
-            with phase(f"arm {name}"):
+            with _arm_phase(f"arm {name}"):
                 train(credit_arm_config(cfg), arms[name], config_override,
                       final_other_suites=False, final_retain=False, precision=precision)
-            release_free_memory()  # what the arm freed, before the next one
     tokens = _trained_tokens(arms["rloo"])
     _copy_cold_start(arms["frozen"], arms["sft_only"])
     log(f"experiment: arm sft_only, matched to {tokens} RL action tokens")

@@ -86,9 +86,8 @@ def test_the_fast_math_flags_are_what_that_test_catches(tmp_path):
     src = tmp_path / "fm.c"
     src.write_text(SOURCE)
     lib = tmp_path / "fm.so"
-    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    subprocess.run([cc, "-O2", "-ffast-math", "-fPIC", "-shared", "-o", str(lib), str(src)],
-                   check=True)
+    subprocess.run([native_build._compiler(), "-O2", "-ffast-math", "-fPIC", "-shared", "-o",
+                    str(lib), str(src)], check=True)
     code = ("import ctypes, sys; t = 2.2250738585072014e-308; before = t / 4 > 0; "
             f"ctypes.CDLL({str(lib)!r}); sys.exit(0 if before and t / 4 == 0 else 3)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

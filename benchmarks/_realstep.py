@@ -152,7 +152,11 @@ class RealStep:
         proof_parts = {"decode copy re-merge": timers["decode sync"],
                        "probe score": timers["probe score"],
                        "trainer's reference": timers.get("probe reference", 0.0)
-                       + timers.get("probe reference (primed)", 0.0)}
+                       + timers.get("probe reference (primed)", 0.0),
+                       "worker's read, copy and hashes":
+                       timers["prove"] - timers["decode sync"] - timers["probe score"],
+                       "check, ACK and activation":
+                       timers["acknowledge"] - timers.get("probe reference", 0.0)}
         bookkeeping = wall - generation - environment - update
         action_tokens = sum(len(t.action_token_ids) for e in episodes for t in e.turns)
         observation_tokens = sum(len(t.prompt_token_ids) for e in episodes for t in e.turns
@@ -188,7 +192,8 @@ def share_line(parts: dict[str, Any]) -> str:
 def items_line(parts: dict[str, Any]) -> str:
     """The bookkeeping items, largest first, with their share of the wall time; then the
     replica proof's parts (the generator's decode-copy re-merge, the probe it scores, the
-    trainer's reference)."""
+    trainer's reference, the worker's read of the version with its hashes, and the
+    publisher's check, ACK and activation), which add up to the proof's item."""
     wall = parts["wall"]
     line = "; ".join(f"{k} {v:.3f}s ({100 * v / wall:.1f}%)" for k, v in
                      sorted(parts["items"].items(), key=lambda kv: -kv[1]))

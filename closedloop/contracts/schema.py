@@ -60,10 +60,16 @@ def encode_record(record: Any) -> Any:
     if isinstance(record, Enum):
         return record.value
     if isinstance(record, list | tuple):
+        if all(type(v) in _PLAIN for v in record):  # token ids, log-probs: already JSON
+            return list(record)
         return [encode_record(v) for v in record]
     if isinstance(record, dict):
         return {k: encode_record(v) for k, v in record.items()}
     return record
+
+
+_PLAIN = frozenset({int, float, str, bool, type(None)})
+"""Types whose values are their own JSON form (exact types: an ``Enum`` over ``str`` is not)."""
 
 
 def _join(path: str, name: str | int) -> str:
@@ -97,6 +103,8 @@ def _decode(tp: Any, value: Any, where: str) -> Any:
         if not isinstance(value, list):
             raise FieldError(where, f"expected a list, got {type(value).__name__}")
         (item_tp,) = typing.get_args(tp) or (Any,)
+        if _plain_list(item_tp, value):
+            return list(value)
         return [_decode(item_tp, v, _join(where, i)) for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
@@ -112,6 +120,19 @@ def _decode(tp: Any, value: Any, where: str) -> Any:
     if dataclasses.is_dataclass(tp):
         return decode_record(tp, value, where)  # type: ignore[arg-type]
     return _decode_scalar(tp, value, where)
+
+
+def _plain_list(item_tp: Any, value: list[Any]) -> bool:
+    """Whether every item of ``value`` is already what ``_decode`` would return for
+    ``item_tp`` ``int`` (an int, not a bool) or ``float`` (a finite float): one pass over a
+    list of token ids or log-probs instead of a call per item. Any other list, or one with
+    an item that is not (an int in a float list, a bool, a NaN), is decoded item by item,
+    which converts or names the offending index."""
+    if item_tp is int:
+        return all(type(v) is int for v in value)
+    if item_tp is float:
+        return all(type(v) is float for v in value) and all(map(math.isfinite, value))
+    return False
 
 
 def _decode_scalar(tp: Any, value: Any, where: str) -> Any:

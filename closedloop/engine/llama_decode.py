@@ -135,7 +135,8 @@ class LlamaDecodeCopy:
         self.wdtype = torch.float32 if precision == "float32" else torch.bfloat16
         self.layers: list[_Layer] = []
         self._keys: dict[str, tuple[Any, ...]] = {}
-        self._scratch: dict[tuple[int, int], torch.Tensor] = {}  # merge buffers to pack from
+        # merge buffers to pack from, by shape and dtype
+        self._scratch: dict[tuple[tuple[int, int], torch.dtype], torch.Tensor] = {}
         self.embed = self.norm = self.head_t = torch.empty(0)
         self.sync(force=True)
 
@@ -202,15 +203,18 @@ class LlamaDecodeCopy:
         the shape allows: ``W'^T = W^T + s A^T B^T``, a transposing copy and one ``addmm_`` per
         module, with no temporaries (a re-sync after every publication rewrites every adapted
         block; building ``B A``, ``W + s B A``, the stack and its transpose as new tensors
-        streamed each block's weights four more times). A weight kept oneDNN-packed is merged
-        the same way into a reused ``[out, in]`` buffer and packed from it (``_packed_merge``).
+        streamed each block's weights four more times). A weight kept oneDNN-packed (float32,
+        or bf16 where the CPU has native bf16) is merged the same way into a reused ``[out,
+        in]`` buffer and packed from it (``_packed_merge``). Other adapters, and strided bf16,
+        take ``effective_weight`` (peft's delta) per call.
         """
         factors = [_factors(m) for m in modules]
-        if self.wdtype is not torch.float32 or any(f is None for f in factors):
-            return self._w_t(torch.cat([effective_weight(m) for m in modules]))
         widths = [int(_base(m).weight.shape[0]) for m in modules]
         shape = (int(_base(modules[0]).weight.shape[1]), sum(widths))
-        if self._packs(_base(modules[0]).weight, shape):
+        packs = self._packs(_base(modules[0]).weight, shape)
+        if any(f is None for f in factors) or (self.wdtype is not torch.float32 and not packs):
+            return self._w_t(torch.cat([effective_weight(m) for m in modules]))
+        if packs:
             return self._packed_merge(modules, widths, factors, (shape[1], shape[0]))
         out = (current if current is not None and not current.is_mkldnn
                and tuple(current.shape) == shape
@@ -228,11 +232,11 @@ class LlamaDecodeCopy:
 
     def _packed_merge(self, modules: list[Any], widths: list[int],
                       factors: list[Any], shape: tuple[int, int]) -> torch.Tensor:
-        """``W' = W + s B A`` of each module, stacked along ``out`` in a reused ``[out, in]``
-        buffer, then packed (the packed tensor is a copy: the buffer is free again)."""
-        merged = self._scratch.get(shape)
-        if merged is None:
-            merged = self._scratch[shape] = torch.empty(shape, dtype=torch.float32)
+        """``W' = W + s B A`` of each module, stacked along ``out`` in a reused float32
+        ``[out, in]`` buffer, then packed (the packed tensor is a copy: the buffers are free
+        again). In bf16 the merged buffer is rounded once into a reused bf16 buffer and packed
+        from that: no tensor of the merge is allocated anew."""
+        merged = self._buffer(shape, torch.float32)
         row = 0
         for module, width, pairs in zip(modules, widths, factors, strict=True):
             block = merged[row:row + width]
@@ -240,7 +244,16 @@ class LlamaDecodeCopy:
             for a_r_in, b_out_r, scale in pairs or ():
                 block.addmm_(b_out_r, a_r_in, alpha=scale)
             row += width
+        if self.wdtype is not torch.float32:
+            merged = self._buffer(shape, self.wdtype).copy_(merged)
         return torch.ops.mkldnn._reorder_linear_weight(merged, PACK_ROWS_HINT)
+
+    def _buffer(self, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+        """The reused merge buffer of ``shape`` and ``dtype`` (made on first use)."""
+        buf = self._scratch.get((shape, dtype))
+        if buf is None:
+            buf = self._scratch[(shape, dtype)] = torch.empty(shape, dtype=dtype)
+        return buf
 
     def _packs(self, weight: torch.Tensor, shape: tuple[int, ...]) -> bool:
         """Whether a weight of ``shape`` (on ``weight``'s device) is kept oneDNN-packed: in

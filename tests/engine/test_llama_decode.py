@@ -312,6 +312,30 @@ def test_fp32_packed_resync_merges_into_reused_buffers(tokenizer, fp32_packing):
         assert torch.equal(_run(copy, rows, [])[0], after)
 
 
+def test_bf16_packed_resync_rounds_the_merge_once_in_reused_buffers(tokenizer):
+    """Where the CPU has native bf16, a re-sync merges ``W + s B A`` in a reused float32 buffer,
+    rounds it once into a reused bf16 buffer and packs from that: the same weights a copy
+    built from scratch holds, no new buffers, and the packed weights are copies."""
+    if not onednn_bf16_packing():
+        pytest.skip("this CPU has no native bf16: bf16 weights stay strided")
+    model = _lora(tokenizer)
+    copy = LlamaDecodeCopy(model, "bfloat16")
+    rows = [[5, 17, 300, 41], [88, 3, 2, 1]]
+    scratch = dict(copy._scratch)
+    assert {dtype for _, dtype in scratch} == {torch.float32, torch.bfloat16}
+    for seed in (3, 4):
+        _perturb(model, seed=seed, scale=0.3)
+        copy.sync()
+        assert all(copy._scratch[k] is v for k, v in scratch.items())  # no new buffers
+        after = _run(copy, rows, [])[0]
+        assert torch.equal(after, _run(LlamaDecodeCopy(model, "bfloat16"), rows, [])[0])
+        module = _run(_ModuleCopy(DecodeCopy(model, "bfloat16")), rows, [])[0]
+        assert float((after - module).abs().max()) < 2e-2
+        for buf in copy._scratch.values():
+            buf.fill_(7.0)
+        assert torch.equal(_run(copy, rows, [])[0], after)
+
+
 def test_the_generator_can_keep_the_weights_strided(tokenizer, renderer, fp32_packing):
     model = _lora(tokenizer)
     prompt = renderer.render_prompt("Repair a.json")

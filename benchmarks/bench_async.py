@@ -67,6 +67,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit, machine_label, median, rotate, set_threads
+from _quick import build_quick_model, quick_config
 
 from closedloop.config import parse_config, smoke_config
 from closedloop.evaluate.heldout import EvalSummary, paired_difference
@@ -79,10 +80,6 @@ from closedloop.training.pipeline import run_rl
 from closedloop.training.publisher import publication_latency
 from closedloop.training.run import publish
 from closedloop.training.run_evaluation import evaluate
-
-HERE = Path(__file__).resolve().parent
-QUICK_TASKS = (2, 2)
-"""Train / held-out tasks of the quick workload (the tiny agent is taught on these)."""
 
 
 @dataclass
@@ -108,24 +105,6 @@ class Side:
 
 
 # ------------------------------------------------------------------------------- workloads
-def quick_config(model_dir: Path, steps: int) -> dict[str, Any]:
-    """The tests' short tiny-agent run (tests/conftest.py short_run_config) with ``steps``."""
-    train, heldout = QUICK_TASKS
-    return {
-        "model": str(model_dir),
-        "environment": {"train_tasks": train, "heldout_tasks": heldout, "max_turns": 6},
-        "rollout": {"group_size": 4, "max_action_tokens": 64, "temperature": 1.0},
-        "credit": {"censor_rule": "drop_censored"},
-        "evaluation": {"attempts_per_task": 1, "retain_suites": [], "curve_points": 2,
-                       "environment_family_disjoint": False, "cold_start_train_eval": False},
-        "training": {"rl_steps": steps, "groups_per_step": 2, "learning_rate": 1e-3,
-                     "seed": 0, "package_check": "quick"},
-        "sft": {"enabled": False},
-        "update": {"objective": "ppo_clip", "proximal_policy": "trainer_at_step_start",
-                   "reference_policy": "initial"},
-    }
-
-
 def default_config(args: argparse.Namespace) -> dict[str, Any]:
     """The smoke's configuration (embedded SmolLM2) scaled down (module doc)."""
     data = smoke_config().to_dict()
@@ -140,18 +119,6 @@ def default_config(args: argparse.Namespace) -> dict[str, Any]:
     data["update"].update(objective="ppo_clip", proximal_policy="trainer_at_step_start",
                           reference_policy="initial_sft" if args.sft_demos > 0 else "initial")
     return data
-
-
-def build_quick_model(root: Path) -> Path:
-    """The tests' tiny agent (coin-flip competence on the train tasks, gives up on the
-    held-out ones), saved under ``root``."""
-    sys.path.insert(0, str(HERE.parent))  # the repository root: tests.tiny_agent
-    from closedloop.envs.terminal.task_sets import build_task_sets
-    from tests.tiny_agent import build_tiny_agent
-
-    sets = build_task_sets(*QUICK_TASKS, seed=0)
-    agent = build_tiny_agent(root / "tiny-agent", sets.train_ids, sets.heldout_ids, seed=0)
-    return agent.folder
 
 
 def side_config(base: dict[str, Any], side: str, lag: int) -> dict[str, Any]:

@@ -13,6 +13,10 @@ decode/env/bookkeeping) are summed from the step's trace timings.
 
     .venv/bin/python benchmarks/bench_rlstep.py [--steps 1] [--max-tries 3] [--group 8]
         [--groups 2] [--sft-demos 16] [--max-turns 8] [--action 96] [--threads 1] [--quick]
+
+``--quick``: a check that the step runs, in seconds: the tests' tiny agent on the tests' short
+run (``_quick``: 2 groups of G=4, up to 6 turns), one step with an update; its figures mean
+nothing.
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit, machine_label, set_threads
+from _quick import build_quick_model, quick_config
 
-from closedloop.config import RunConfig, smoke_config
+from closedloop.config import RunConfig, parse_config, smoke_config
 from closedloop.contracts import load_episodes
 from closedloop.policy.registry import version_name
 from closedloop.training.rl_step import rl_step
@@ -65,22 +70,27 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument("--summary")
     args = ap.parse_args(argv)
     if args.quick:
-        args.steps, args.group, args.max_turns, args.action, args.sft_demos = 1, 2, 2, 16, 0
-        args.max_tries = 1
+        args.steps, args.max_tries, args.sft_demos = 1, 3, 0
     set_threads(args.threads)
     print(f"[rlstep] machine: {machine_label()}")
-    cfg = tiny_config(args)
     out: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
+        if args.quick:
+            cfg = parse_config(quick_config(build_quick_model(Path(tmp)), args.max_tries))
+            args.group, args.groups = cfg.rollout.group_size, cfg.training.groups_per_step
+            args.max_turns, args.action = cfg.environment.max_turns, cfg.rollout.max_action_tokens
+        else:
+            cfg = tiny_config(args)
         run = open_run(cfg, Path(tmp) / "bench-run")
         try:
             if cfg.sft.enabled:
                 warm_start(run)
             attach_roles(run)
             publish(run, version_name(0))
-            print(f"[rlstep] set-up (tasks, model, {args.sft_demos} SFT demos x "
-                  f"{cfg.sft.epochs} epochs, adapter, publish v0000) "
+            taught = ("the tests' tiny agent taught" if args.quick else
+                      f"{args.sft_demos} SFT demos x {cfg.sft.epochs} epochs")
+            print(f"[rlstep] set-up (tasks, model, {taught}, adapter, publish v0000) "
                   f"{time.perf_counter() - t0:.1f}s; {args.groups} group(s) x G={args.group}, "
                   f"max {args.max_turns} turns, {args.action} max action tokens")
             updated = 0

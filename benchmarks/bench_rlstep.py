@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument("--summary")
     args = ap.parse_args(argv)
     if args.quick:
-        args.steps, args.max_tries, args.sft_demos = 1, 3, 0
+        args.steps, args.max_tries = 1, 3
     set_threads(args.threads)
     print(f"[rlstep] machine: {machine_label()}")
     out: dict[str, float] = {}

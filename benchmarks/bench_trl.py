@@ -59,6 +59,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import single_turn_pkg
 from _common import emit, machine_label, median, set_threads
@@ -160,8 +162,6 @@ for."""
 def tiny_model_dir(folder: Path) -> str:
     """A random tiny Llama with the embedded tokenizer, able to end a reply (``TINY_STOP_STD``),
     saved as a local HF folder."""
-    import torch
-
     loaded = load_model(None)
     model = build_tiny_model(loaded.tokenizer)
     stop = loaded.tokenizer.convert_tokens_to_ids("<|im_end|>")

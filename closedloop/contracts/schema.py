@@ -52,6 +52,10 @@ def decode_record(cls: type[T], data: Any, path: str = "") -> T:
         raise FieldError(path or "<record>", str(exc)) from None
 
 
+_PLAIN = frozenset({int, float, str, bool, type(None)})
+"""Types whose values are their own JSON form (exact types: an ``Enum`` over ``str`` is not)."""
+
+
 def encode_record(record: Any) -> Any:
     """Return the JSON form of a dataclass record (enums as values, nested records as objects)."""
     if dataclasses.is_dataclass(record) and not isinstance(record, type):
@@ -66,10 +70,6 @@ def encode_record(record: Any) -> Any:
     if isinstance(record, dict):
         return {k: encode_record(v) for k, v in record.items()}
     return record
-
-
-_PLAIN = frozenset({int, float, str, bool, type(None)})
-"""Types whose values are their own JSON form (exact types: an ``Enum`` over ``str`` is not)."""
 
 
 def _join(path: str, name: str | int) -> str:

@@ -122,14 +122,21 @@ def split_state_dict(model: Any) -> tuple[dict[str, torch.Tensor], dict[str, tor
     """
     if not is_peft_model(model):
         return dict(model.state_dict()), {}
-    base, adapter = {}, {}
+    base: dict[str, torch.Tensor] = {}
+    adapter: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict().items():
-        plain = name.removeprefix(PEFT_PREFIX)
-        if "lora_" in plain or "modules_to_save" in plain:
-            adapter[name] = tensor
-        else:
-            base[plain.replace(".base_layer.", ".")] = tensor
+        is_adapter, key = _split_name(name)
+        (adapter if is_adapter else base)[key] = tensor
     return base, adapter
+
+
+def _split_name(name: str) -> tuple[bool, str]:
+    """``(is_adapter, key)`` of a peft state-dict entry (``split_state_dict``'s rule): an adapter
+    tensor keeps its peft name; a base tensor loses the peft prefix and ``.base_layer``."""
+    plain = name.removeprefix(PEFT_PREFIX)
+    if "lora_" in plain or "modules_to_save" in plain:
+        return True, name
+    return False, plain.replace(".base_layer.", ".")
 
 
 class SplitView:
@@ -187,10 +194,8 @@ class SplitView:
             return None
         out = []
         for name, module, key, is_param in plan:
-            plain = name.removeprefix(PEFT_PREFIX)
-            is_adapter = "lora_" in plain or "modules_to_save" in plain
-            out.append((name if is_adapter else plain.replace(".base_layer.", "."), is_adapter,
-                        module, key, is_param))
+            is_adapter, split_name = _split_name(name)
+            out.append((split_name, is_adapter, module, key, is_param))
         return out
 
 

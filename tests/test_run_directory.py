@@ -105,7 +105,7 @@ def test_every_checkpoint_corrupt_refuses_naming_the_newest(finished: Path,
                                                             tiny_agent_dir: Path,
                                                             tmp_path: Path) -> None:
     run = copy_of(finished, tmp_path)
-    for f in (run / "checkpoints").glob("step-*/optimizer.pt"):
+    for f in (run / "checkpoints").glob("step-*/optimizer.safetensors"):
         f.write_bytes(f.read_bytes()[::-1])
     with pytest.raises(RunStateError) as info:
         launch(run, tiny_agent_dir)

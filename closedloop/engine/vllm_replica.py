@@ -113,7 +113,11 @@ def trainer_probe_reference(model: Any, temperature: float,
     """A ``ProbeReference`` scoring with ``model`` as it is now, on the trainer's path
     (``trainer_path_logprobs`` at ``temperature``, matmul ``precision``), in eval mode: a
     model in training mode is switched to eval for the call and back; one already in eval
-    mode (an inference copy) is left alone (switching walks every module)."""
+    mode (an inference copy) is left alone (switching walks every module). Its float32
+    products of the probe's few rows run as ``(W xᵀ)ᵀ`` (``closedloop.engine.few_rows``)."""
+    from contextlib import nullcontext
+
+    from closedloop.engine.few_rows import few_row_products
     from closedloop.engine.precision import matmul_precision
     from closedloop.engine.prefix_logprobs import trainer_path_logprobs
 
@@ -126,7 +130,8 @@ def trainer_probe_reference(model: Any, temperature: float,
         if was_training:
             model.eval()
         try:
-            with torch.no_grad(), matmul_precision(model, precision):
+            with torch.no_grad(), matmul_precision(model, precision), (
+                    few_row_products(model) if precision == "float32" else nullcontext()):
                 lps = trainer_path_logprobs(model, ids_1_T.to(device),
                                             torch.ones_like(ids_1_T).to(device),
                                             mask_1_Tm1.to(device), False,

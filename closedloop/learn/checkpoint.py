@@ -4,7 +4,8 @@ Exactly-once groups (docs/concepts.md): consumed_group_ids + optimizer_step +
 output_policy_version commit atomically in the trainer checkpoint. One checkpoint is one directory::
 
     <dir>/step-000012/model.safetensors   model state dict
-    <dir>/step-000012/optimizer.pt        optimizer state dict (torch.save, loaded weights_only)
+    <dir>/step-000012/optimizer.safetensors  optimizer state dict (closedloop.learn.optimizer_codec:
+                                          its tensors flat, its structure as JSON)
     <dir>/step-000012/rng.pt              RNG states (see capture_rng_states)
     <dir>/step-000012/checkpoint.json     step, output_policy_version, consumed_group_ids,
                                           extra, sha256 of every file, and its own hash
@@ -52,6 +53,7 @@ from closedloop.errors import (
     CheckpointError,
     CheckpointExistsError,
 )
+from closedloop.learn.optimizer_codec import decode_optimizer_state, encode_optimizer_state
 from closedloop.policy.registry import (
     atomic_write_bytes,
     fsync_dir,
@@ -74,7 +76,14 @@ __all__ = [
     "save_checkpoint",
 ]
 
-CHECKPOINT_FORMAT = "closedloop-checkpoint-v1"
+CHECKPOINT_FORMAT = "closedloop-checkpoint-v2"
+_FILES = {
+    # format -> (the optimizer's file, its reader); v1 checkpoints (optimizer state pickled
+    # by torch.save) still load
+    "closedloop-checkpoint-v1": ("optimizer.pt",
+                                 lambda b: torch.load(io.BytesIO(b), weights_only=True)),
+    CHECKPOINT_FORMAT: ("optimizer.safetensors", decode_optimizer_state),
+}
 PAUSE_ENV = "CLOSEDLOOP_TEST_CHECKPOINT_PAUSE_S"
 _MANIFEST = "checkpoint.json"
 _STEP_RE = re.compile(r"^step-(\d{6,})$")
@@ -171,7 +180,7 @@ def _write_files(
 ) -> dict[str, Any]:
     payloads = {
         "model.safetensors": tensors_to_bytes(model_state),
-        "optimizer.pt": _torch_bytes(dict(optimizer_state)),
+        _FILES[CHECKPOINT_FORMAT][0]: _optimizer_bytes(optimizer_state),
         "rng.pt": _torch_bytes(dict(rng_states or {})),
     }
     hashes: dict[str, str] = {}
@@ -193,6 +202,13 @@ def _write_files(
     write_durably(tmp / _MANIFEST, canonical_json(manifest).encode())
     _pause()
     return manifest
+
+
+def _optimizer_bytes(state: Mapping[str, Any]) -> bytes:
+    try:
+        return encode_optimizer_state(dict(state))
+    except TypeError as exc:
+        raise CheckpointError(str(exc)) from None
 
 
 def _torch_bytes(obj: Any) -> bytes:
@@ -279,7 +295,11 @@ def load_checkpoint(path: str | Path, *, tensors: bool = True) -> Checkpoint:
     rng: dict[str, Any] = {}
     if tensors:
         model = load_safetensors(blobs["model.safetensors"])
-        optimizer = torch.load(io.BytesIO(blobs["optimizer.pt"]), weights_only=True)
+        opt_file, read_optimizer = _FILES[manifest["format"]]
+        try:
+            optimizer = read_optimizer(blobs[opt_file])
+        except ValueError as exc:
+            raise CheckpointCorruptError(f"{folder}: {opt_file}: {exc}") from None
         rng = torch.load(io.BytesIO(blobs["rng.pt"]), weights_only=True)
         if state_dict_checksum(model) != manifest["model_checksum"]:
             raise CheckpointCorruptError(f"{folder}: model checksum mismatch")
@@ -302,14 +322,14 @@ def _read_manifest(folder: Path) -> dict[str, Any]:
         manifest = json.loads((folder / _MANIFEST).read_text("utf-8"))
     except (OSError, ValueError) as exc:
         raise CheckpointCorruptError(f"{folder}: no readable {_MANIFEST} ({exc})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != CHECKPOINT_FORMAT:
+    if not isinstance(manifest, dict) or manifest.get("format") not in _FILES:
         raise CheckpointCorruptError(f"{folder}: not a {CHECKPOINT_FORMAT} manifest")
     body = {k: v for k, v in manifest.items() if k != "self_hash"}
     if content_hash(body) != manifest.get("self_hash"):
         raise CheckpointCorruptError(f"{folder}: {_MANIFEST} does not match its own hash")
     if folder.name != f"step-{manifest['step']:06d}":
         raise CheckpointCorruptError(f"{folder}: directory name disagrees with step")
-    if set(manifest["files"]) != {"model.safetensors", "optimizer.pt", "rng.pt"}:
+    if set(manifest["files"]) != {"model.safetensors", _FILES[manifest["format"]][0], "rng.pt"}:
         raise CheckpointCorruptError(f"{folder}: unexpected file list")
     return manifest
 

@@ -31,7 +31,12 @@ from typing import Any, NamedTuple
 import torch
 
 from closedloop.errors import AdapterError
-from closedloop.policy.weights import checksum_tensors, combine_checksums, weights_checksum
+from closedloop.policy.weights import (
+    checksum_and_digests,
+    checksum_tensors,
+    combine_checksums,
+    weights_checksum,
+)
 
 PEFT_PREFIX = "base_model.model."
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -270,8 +275,22 @@ class PolicyChecksummer:
             base = weights_checksum(self.model)
             return PolicyChecksum(base, None, base)
         base_sd, adapter_sd = self.split()
+        base = self._base_checksum(base_sd)
+        adapter = checksum_tensors(adapter_sd.items())
+        return PolicyChecksum(base, adapter, combine_checksums(base, adapter))
+
+    def with_digests(self) -> tuple[PolicyChecksum, dict[str, str]]:
+        """The checksums and each adapter tensor's checksum (``tensor_digests``), from one walk
+        over the adapter's bytes (a model without an adapter has no digests)."""
+        if not is_peft_model(self.model):
+            return self(), {}
+        base_sd, adapter_sd = self.split()
+        base = self._base_checksum(base_sd)
+        adapter, digests = checksum_and_digests(adapter_sd)
+        return PolicyChecksum(base, adapter, combine_checksums(base, adapter)), digests
+
+    def _base_checksum(self, base_sd: dict[str, torch.Tensor]) -> str:
         key = tuple((name, t.data_ptr(), t._version) for name, t in sorted(base_sd.items()))
         if key != self._key or self._base is None:
             self._base, self._key = checksum_tensors(base_sd.items()), key
-        adapter = checksum_tensors(adapter_sd.items())
-        return PolicyChecksum(self._base, adapter, combine_checksums(self._base, adapter))
+        return self._base

@@ -15,10 +15,16 @@ Layout under ``root``::
 
 Publication protocol (docs/concepts.md, atomic weight publication)::
 
-    stage (write to staging, fsync, re-read and verify checksum, rename into versions/)
+    stage (hash the tensors as the file will hold them, write to staging, fsync, re-read and
+           compare byte for byte, rename into versions/)
     -> workers load the version and ack(worker_id, version, checksum_loaded)
     -> require_all_worker_checksums(version, workers)
     -> publish(version): re-verify, then replace ACTIVE atomically (write temp + os.replace)
+
+Verifying a version this registry object staged itself compares each of its files' sha256
+with the one taken when it was written: files unchanged byte for byte still hold what staging
+checked (tensors, checksum, digests and manifest agreeing), without parsing and re-hashing
+the tensors one by one. Any other version, and every other process, verifies in full.
 
 Episode-level policy leases give ``finish_old`` semantics: :meth:`PolicyRegistry.lease_for_episode`
 returns an immutable :class:`PolicyLease` naming the version active *when the episode starts*;
@@ -48,7 +54,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from closedloop.contracts.hashing import canonical_json
+from closedloop.contracts.hashing import canonical_json, sha256_hex
 from closedloop.contracts.manifest import PolicyManifest
 from closedloop.errors import (
     ChecksumMismatchError,
@@ -57,7 +63,12 @@ from closedloop.errors import (
     RegistryError,
     UnknownVersionError,
 )
-from closedloop.policy.weights import combine_checksums, state_dict_checksum, tensor_digests
+from closedloop.policy.weights import (
+    checksum_and_digests,
+    combine_checksums,
+    state_dict_checksum,
+    tensor_digests,
+)
 
 __all__ = [
     "ChecksumMismatchError",
@@ -211,6 +222,7 @@ class PolicyRegistry:
         self._lock = threading.Lock()
         self._lease_ids = itertools.count(1)
         self._open: dict[int, PolicyLease] = {}
+        self._written: dict[str, dict[str, str]] = {}  # version -> file -> sha256, as staged
 
     # ------------------------------------------------------------------ versions
     def versions(self) -> list[str]:
@@ -245,7 +257,8 @@ class PolicyRegistry:
         ``base_weight_checksum``; ``adapter_checksum`` is the adapter's checksum and
         ``weight_checksum`` is ``combine_checksums(base, adapter)`` (one indivisible version).
         ``version`` defaults to one past the highest staged index (``v0000`` first). The folder
-        is written under ``staging/``, fsynced, re-read and checked, then renamed into place.
+        is written under ``staging/``, fsynced, re-read and compared byte for byte with what was
+        hashed, then renamed into place.
         """
         if kind not in _FILES:
             raise RegistryError(f"weights kind must be 'full' or 'adapter', got {kind!r}")
@@ -258,34 +271,51 @@ class PolicyRegistry:
                 raise RegistryError(f"policy version {version} already exists (immutable)")
             payload = tensors_to_bytes(state_dict)
             written = load_safetensors(payload)  # what the file will hold, hashed as read
-            checksum = state_dict_checksum(written)
+            checksum, digests = checksum_and_digests(written)
             manifest = _manifest_for(manifest_template, version, checksum, kind)
+            files = {_FILES[kind]: payload,
+                     "manifest.json": canonical_json(manifest.to_dict()).encode(),
+                     "checksum": checksum.encode(),
+                     "digests.json": canonical_json(digests).encode()}
             final = self.root / "versions" / version
             _clear_staging(self.root / "staging")
             tmp = Path(tempfile.mkdtemp(prefix=f"{version}-", dir=self.root / "staging"))
             try:
-                write_durably(tmp / _FILES[kind], payload)
-                write_durably(tmp / "manifest.json", canonical_json(manifest.to_dict()).encode())
-                write_durably(tmp / "checksum", checksum.encode())
-                write_durably(tmp / "digests.json",
-                              canonical_json(tensor_digests(written)).encode())
-                _verify_folder(tmp, checksum)
+                for name, data in files.items():
+                    write_durably(tmp / name, data)
+                for name, data in files.items():
+                    if (tmp / name).read_bytes() != data:
+                        raise ChecksumMismatchError(f"{tmp / name}: read back other bytes "
+                                                    "than were written")
                 fsync_dir(tmp)
                 os.rename(tmp, final)
-            except OSError as exc:
+            except (OSError, ChecksumMismatchError) as exc:
                 shutil.rmtree(tmp, ignore_errors=True)
+                if isinstance(exc, ChecksumMismatchError):
+                    raise
                 raise RegistryError(f"could not stage {version}: {exc}") from exc
             fsync_dir(final.parent)
+            self._written[version] = {name: sha256_hex(data) for name, data in files.items()}
         return StagedVersion(version, checksum, manifest, final)
 
     def verify(self, version: str) -> str:
         """Re-read a version's tensors and check them against its ``checksum`` file, its
         per-tensor ``digests.json`` and its manifest.
 
-        Returns the tensor checksum; raises ``ChecksumMismatchError``.
+        Returns the tensor checksum; raises ``ChecksumMismatchError``. A version this object
+        staged is checked file by file against the hashes taken when it was written (module
+        doc).
         """
         folder = self.path(version)
         recorded = _recorded_checksum(folder)
+        written = self._written.get(version)
+        if written is not None:
+            _kind_of(folder)  # one weights file, as when it was staged
+            for name, expected in written.items():
+                path = folder / name
+                if not path.is_file() or sha256_hex(path.read_bytes()) != expected:
+                    raise ChecksumMismatchError(f"{path}: not the file staged")
+            return recorded
         tensors = _verify_folder(folder, recorded)
         if (folder / "digests.json").is_file() and \
                 self.tensor_digests(version) != tensor_digests(tensors):

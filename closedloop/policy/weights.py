@@ -17,7 +17,7 @@ under both names and are hashed under both names. Cost: ~0.5 s for SmolLM2-135M 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 
@@ -32,13 +32,20 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return flat.view(torch.uint8).numpy().data
 
 
-def checksum_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """Return ``sha256:<hex>`` over ``(name, tensor)`` pairs, sorted by name (see module doc)."""
-    h = hashlib.sha256()
+def _records(named: Iterable[tuple[str, torch.Tensor]]
+             ) -> Iterator[tuple[str, bytes, memoryview]]:
+    """``(name, header, bytes)`` of each tensor, sorted by name: what the module doc hashes."""
     for name, t in sorted(named, key=lambda kv: kv[0]):
         data = tensor_bytes(t)
         header = f"{name}\0{str(t.dtype).removeprefix('torch.')}\0{tuple(t.shape)}\0{data.nbytes}\0"
-        h.update(header.encode("utf-8"))
+        yield name, header.encode("utf-8"), data
+
+
+def checksum_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """Return ``sha256:<hex>`` over ``(name, tensor)`` pairs, sorted by name (see module doc)."""
+    h = hashlib.sha256()
+    for _, header, data in _records(named):
+        h.update(header)
         h.update(data)
     return HASH_PREFIX + h.hexdigest()
 
@@ -68,3 +75,16 @@ def tensor_digests(state: Mapping[str, torch.Tensor]) -> dict[str, str]:
     """Per-tensor checksums, ``name -> checksum_tensors([(name, tensor)])``: what a replica
     compares tensor by tensor, so a mismatch names the tensor that differs."""
     return {name: checksum_tensors([(name, t)]) for name, t in sorted(state.items())}
+
+
+def checksum_and_digests(state: Mapping[str, torch.Tensor]) -> tuple[str, dict[str, str]]:
+    """``(state_dict_checksum(state), tensor_digests(state))`` from one walk over the tensors'
+    bytes (each byte still passes both hashes)."""
+    whole, digests = hashlib.sha256(), {}
+    for name, header, data in _records(state.items()):
+        whole.update(header)
+        whole.update(data)
+        one = hashlib.sha256(header)
+        one.update(data)
+        digests[name] = HASH_PREFIX + one.hexdigest()
+    return HASH_PREFIX + whole.hexdigest(), digests

@@ -31,7 +31,6 @@ from closedloop.engine import HFGenerator
 from closedloop.errors import ChecksumMismatchError, RegistryError
 from closedloop.policy.lora import PolicyChecksum, PolicyChecksummer
 from closedloop.policy.registry import PolicyRegistry
-from closedloop.policy.weights import tensor_digests
 from closedloop.rollout.source import GeneratorSource
 from closedloop.rollout.verifier_step import RolloutGroup
 from closedloop.rollout.work_orders import GroupSpec
@@ -109,8 +108,9 @@ class RolloutWorker:
             self._hold(version)
         return self.held_manifest()
 
-    def _hold(self, version: str) -> PolicyChecksum:
-        """``load``'s work (``version`` not held yet); the checksum of what is held after it."""
+    def _hold(self, version: str) -> tuple[PolicyChecksum, dict[str, str]]:
+        """``load``'s work (``version`` not held yet); the checksums of what is held after it
+        (the policy's, each adapter tensor's)."""
         manifest = self.registry.manifest(version)
         state = self.registry.load_state_dict(version)
         own = self.adapter_tensors()
@@ -118,7 +118,7 @@ class RolloutWorker:
             raise RegistryError(f"{version}: its adapter tensors are not this policy's adapter's")
         previous = {k: v.detach().clone() for k, v in own.items()}
         self._copy_in(own, state)
-        held = self.held_checksum()
+        held, digests = self._checksum.with_digests()
         if held.combined != manifest.weight_checksum:
             self._copy_in(own, previous)
             self.generator.refresh_weights(self.held_checksum().combined)
@@ -126,7 +126,7 @@ class RolloutWorker:
                                         f"{held.combined}, not {manifest.weight_checksum}")
         self.generator.refresh_weights(held.combined)
         self.version, self.manifest = version, manifest
-        return held
+        return held, digests
 
     @staticmethod
     def _copy_in(own: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> None:
@@ -139,8 +139,8 @@ class RolloutWorker:
         checksum, each adapter tensor's checksum, and the fixed probe scored by its own
         generator (``closedloop.training.weight_sync``)."""
         t0 = time.monotonic()
-        held = self._hold(version) if self.version != version else self.held_checksum()
-        digests = tensor_digests(self.adapter_tensors())
+        held, digests = (self._hold(version) if self.version != version
+                         else self._checksum.with_digests())
         logprobs = self.generator.score(probe.ids, probe.sampler)
         return Proof(self.worker_id, version, held.combined, digests, probe.ids,
                      tuple(logprobs), time.monotonic() - t0)

@@ -78,6 +78,43 @@ def test_round_trip_with_real_optimizer_and_rng(tmp_path: Path) -> None:
     assert (tmp_path / "LATEST").read_text().count("step-000007") == 1
 
 
+def test_a_v1_checkpoint_with_a_pickled_optimizer_still_loads(tmp_path: Path) -> None:
+    """Checkpoints written before the optimizer's state was stored flat (format v1,
+    ``optimizer.pt`` by torch.save) resume as before."""
+    import hashlib
+    import io
+    import json
+
+    from closedloop.contracts.hashing import canonical_json, content_hash
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    path = save_checkpoint(tmp_path, 4, model.state_dict(), opt.state_dict(), "v0004", ["g"])
+    manifest = json.loads((path / "checkpoint.json").read_text())
+    (path / "optimizer.safetensors").unlink()
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    (path / "optimizer.pt").write_bytes(buf.getvalue())
+    files = dict(manifest["files"])
+    del files["optimizer.safetensors"]
+    files["optimizer.pt"] = "sha256:" + hashlib.sha256(buf.getvalue()).hexdigest()
+    body = {k: v for k, v in manifest.items() if k != "self_hash"}
+    body.update(format="closedloop-checkpoint-v1", files=files)
+    (path / "checkpoint.json").write_text(canonical_json({**body,
+                                                           "self_hash": content_hash(body)}))
+    ck = load_checkpoint(path)
+    assert torch.equal(ck.optimizer_state["state"][0]["exp_avg"],
+                       opt.state_dict()["state"][0]["exp_avg"])
+    # a v2 file list under a v1 format (or the reverse) is refused
+    body["files"] = manifest["files"]
+    (path / "checkpoint.json").write_text(canonical_json({**body,
+                                                           "self_hash": content_hash(body)}))
+    with pytest.raises(CheckpointError, match="unexpected file list"):
+        load_checkpoint(path)
+
+
 def test_named_generators_round_trip_with_the_global_rngs(tmp_path: Path) -> None:
     sampler = torch.Generator().manual_seed(5)
     torch.rand(3, generator=sampler)

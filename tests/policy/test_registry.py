@@ -120,6 +120,32 @@ def test_corrupt_version_is_refused(reg: PolicyRegistry) -> None:
         reg.verify(bad.version)
 
 
+@pytest.mark.parametrize("damage", ["weights", "checksum", "digests", "manifest", "extra"])
+def test_a_version_changed_after_staging_fails_verify_in_the_stager_and_elsewhere(
+        reg: PolicyRegistry, damage: str) -> None:
+    """The stager's verify (its own files' hashes) refuses what a full verify refuses: any
+    staged file changed by one byte, or a second weights file beside them."""
+    version = reg.stage(weights(0), template()).version
+    other = PolicyRegistry(reg.root)  # another process's view: the full verify
+    assert reg.verify(version) == other.verify(version)
+    folder = reg.path(version)
+    if damage == "extra":
+        (folder / "adapter.safetensors").write_bytes((folder / "weights.safetensors")
+                                                     .read_bytes())
+    else:
+        name = {"weights": "weights.safetensors", "checksum": "checksum",
+                "digests": "digests.json", "manifest": "manifest.json"}[damage]
+        raw = bytearray((folder / name).read_bytes())
+        raw[len(raw) // 2] ^= 0x01
+        (folder / name).write_bytes(bytes(raw))
+    for view in (reg, other):
+        with pytest.raises(RegistryError):
+            view.verify(version)
+    with pytest.raises(RegistryError):
+        reg.publish(version)
+    assert reg.active() is None
+
+
 def test_damaged_registry_files_are_registry_errors_naming_the_file(
         reg: PolicyRegistry) -> None:
     version = reg.stage(weights(0), template()).version

@@ -89,6 +89,23 @@ def test_a_finished_run_relaunched_repeats_no_record(finished: Path, tiny_agent_
     assert len((run / "launches.jsonl").read_text().splitlines()) == 3
 
 
+def test_every_checkpoint_verifies_with_its_tensors_and_holds_its_version(
+        finished: Path) -> None:
+    """Each committed checkpoint loads in full (file hashes, the adapter's checksum as the
+    commit recorded it) and holds the weights of the registry version it names."""
+    from closedloop.learn.checkpoint import list_checkpoints, load_checkpoint
+    from closedloop.policy.registry import PolicyRegistry
+
+    registry = PolicyRegistry(finished / "registry")
+    paths = list_checkpoints(finished / "checkpoints")
+    assert paths
+    for path in paths:
+        ckpt = load_checkpoint(path)
+        assert ckpt.optimizer_state["param_groups"], path
+        manifest = registry.manifest(ckpt.output_policy_version)
+        assert manifest.adapter_checksum == ckpt.model_checksum, path
+
+
 def test_deleted_checkpoints_and_registry_refuse_naming_the_ledger(
         finished: Path, tiny_agent_dir: Path, tmp_path: Path) -> None:
     run = copy_of(finished, tmp_path)

@@ -108,18 +108,20 @@ class Probe:
     stream: int = 0
 
 
-def trainer_probe_reference(model: Any, temperature: float,
-                            precision: str = "float32") -> ProbeReference:
+def trainer_probe_reference(model: Any, temperature: float, precision: str = "float32",
+                            packed: bool = False) -> ProbeReference:
     """A ``ProbeReference`` scoring with ``model`` as it is now, on the trainer's path
     (``trainer_path_logprobs`` at ``temperature``, matmul ``precision``), in eval mode: a
     model in training mode is switched to eval for the call and back; one already in eval
     mode (an inference copy) is left alone (switching walks every module). Its float32
-    products of the probe's few rows run as ``(W xᵀ)ᵀ`` (``closedloop.engine.few_rows``)."""
+    products run as ``closedloop.engine.reference_products`` says; ``packed``: with the frozen
+    weights oneDNN-packed, a copy kept on ``model``'s modules (for a model held for scoring
+    only)."""
     from contextlib import nullcontext
 
-    from closedloop.engine.few_rows import few_row_products
     from closedloop.engine.precision import matmul_precision
     from closedloop.engine.prefix_logprobs import trainer_path_logprobs
+    from closedloop.engine.reference_products import reference_products
 
     def reference(prompt_ids: Sequence[int], action_ids: Sequence[int]) -> list[float]:
         ids_1_T = torch.tensor([list(prompt_ids) + list(action_ids)])
@@ -131,7 +133,8 @@ def trainer_probe_reference(model: Any, temperature: float,
             model.eval()
         try:
             with torch.no_grad(), matmul_precision(model, precision), (
-                    few_row_products(model) if precision == "float32" else nullcontext()):
+                    reference_products(model, packed) if precision == "float32"
+                    else nullcontext()):
                 lps = trainer_path_logprobs(model, ids_1_T.to(device),
                                             torch.ones_like(ids_1_T).to(device),
                                             mask_1_Tm1.to(device), False,

@@ -122,13 +122,16 @@ def save_checkpoint(
     extra: Mapping[str, Any] | None = None,
     *,
     keep_last: int = 3,
+    model_checksum: str | None = None,
 ) -> Path:
     """Write checkpoint ``step`` atomically and return its directory.
 
     ``consumed_group_ids`` must be cumulative (all groups applied so far); ``extra`` must be
-    JSON. Raises ``CheckpointExistsError`` when a valid checkpoint at ``step`` or later exists
-    (a corrupt one in the way is moved aside). Assumes a single writer per ``directory``:
-    leftover temporary directories of a crashed writer are deleted.
+    JSON. ``model_checksum``: ``state_dict_checksum(model_state)`` when the caller has just
+    computed it from these very tensors (else it is computed here). Raises
+    ``CheckpointExistsError`` when a valid checkpoint at ``step`` or later exists (a corrupt
+    one in the way is moved aside). Assumes a single writer per ``directory``: leftover
+    temporary directories of a crashed writer are deleted.
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise CheckpointError(f"step must be an int >= 0, got {step!r}")
@@ -150,6 +153,7 @@ def save_checkpoint(
             consumed_group_ids,
             rng_states,
             extra,
+            model_checksum,
         )
         fsync_dir(tmp)
         os.rename(tmp, root / name)
@@ -177,6 +181,7 @@ def _write_files(
     consumed_group_ids: Iterable[str],
     rng_states: Mapping[str, Any] | None,
     extra: Mapping[str, Any] | None,
+    model_checksum: str | None,
 ) -> dict[str, Any]:
     payloads = {
         "model.safetensors": tensors_to_bytes(model_state),
@@ -193,7 +198,7 @@ def _write_files(
         "step": step,
         "output_policy_version": output_policy_version,
         "consumed_group_ids": sorted(set(consumed_group_ids)),
-        "model_checksum": state_dict_checksum(model_state),
+        "model_checksum": model_checksum or state_dict_checksum(model_state),
         "files": hashes,
         "extra": dict(extra or {}),
         "created_at": time.time(),

@@ -149,8 +149,18 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 
 def tensors_to_bytes(state: Mapping[str, torch.Tensor]) -> bytes:
-    """Serialize a state dict as safetensors (tied tensors are copied, not shared)."""
-    plain = {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
+    """Serialize a state dict as safetensors. A tensor that shares its storage with another
+    (tied tensors) or is a view of a larger one is copied first (safetensors stores each
+    tensor's own bytes); the rest are written as they are."""
+    plain: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for k, v in state.items():
+        t = v.detach().to("cpu").contiguous()
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen or storage.nbytes() != t.nbytes or t.storage_offset():
+            t = t.clone()
+        seen.add(t.untyped_storage().data_ptr())
+        plain[k] = t
     return save_safetensors(plain)
 
 

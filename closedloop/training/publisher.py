@@ -51,7 +51,10 @@ class ProbeReference:
     checksum, which ``prime`` gives it straight from the trainer's adapter before the version
     is staged (``closedloop.training.resume.commit_step``). One call at a time holds and
     scores: under ``rollout.mode: async`` the trainer's thread primes while the generator's
-    thread may be having an older version's proof checked."""
+    thread may be having an older version's proof checked. In float32 the copy keeps its
+    frozen base weights oneDNN-packed for its products (``closedloop.engine.reference_products``:
+    one more copy of the base, 540 MB for SmolLM2; the adapter stays unmerged, as the trainer
+    computes it)."""
 
     def __init__(self, model: Any, registry: PolicyRegistry, precision: str) -> None:
         from closedloop.training.rollout_worker import inference_copy
@@ -93,7 +96,7 @@ class ProbeReference:
     def _score(self, probe: Probe) -> list[float]:
         if probe not in self._scored:
             score = trainer_probe_reference(self.model, probe.sampler.temperature,
-                                            self.precision)
+                                            self.precision, packed=True)
             self._scored[probe] = score(probe.ids[:1], probe.ids[1:])
         return self._scored[probe]
 

@@ -30,10 +30,11 @@ __all__ = ["checkpoint", "commit_step", "resume"]
 
 
 def checkpoint(run: Run, step: int, version: str, *,
-               adapter: Mapping[str, torch.Tensor] | None = None) -> None:
+               adapter: Mapping[str, torch.Tensor] | None = None,
+               adapter_checksum: str | None = None) -> None:
     """Commit trainer checkpoint ``step`` (output ``version``) atomically. ``adapter``: the
     trainer's adapter as already copied (``TrainerRole.adapter_state``; copied now if
-    ``None``)."""
+    ``None``), ``adapter_checksum`` its checksum taken with it."""
     trainer, worker, _ = run.roles()
     state = run.state
     extra: dict[str, Any] = {"sft_tokens": state.sft_tokens,
@@ -44,7 +45,8 @@ def checkpoint(run: Run, step: int, version: str, *,
         extra["work_orders"] = pending
     save_critic(run, step)  # the GAE critic beside this checkpoint, written before it commits
     trainer.checkpoint(run.dir / "checkpoints", step, version, sorted(state.consumed),
-                       capture_rng_states({"generator": worker.rng}), extra, adapter=adapter)
+                       capture_rng_states({"generator": worker.rng}), extra, adapter=adapter,
+                       adapter_checksum=adapter_checksum)
 
 
 def commit_step(run: Run, step: int, admitted: Sequence[CollectedGroup], output: str, *,
@@ -57,7 +59,7 @@ def commit_step(run: Run, step: int, admitted: Sequence[CollectedGroup], output:
     run.state.consumed.update(g.lease.group_id for g in admitted)
     trainer, _, publisher = run.roles()
     adapter, checksum = trainer.adapter_state(), trainer.checksum()
-    checkpoint(run, step + 1, output, adapter=adapter)
+    checkpoint(run, step + 1, output, adapter=adapter, adapter_checksum=checksum.adapter_checksum)
     if admitted:
         run.ctx.ledger.mark_consumed([g.lease.group_id for g in admitted], step + 1, output)
     if publisher.reference is not None and publisher.probe is not None:

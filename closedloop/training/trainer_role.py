@@ -100,13 +100,16 @@ class TrainerRole:
 
     def checkpoint(self, directory: Any, step: int, version: str, consumed: Sequence[str],
                    rng_states: Mapping[str, Any], extra: Mapping[str, Any], *,
-                   adapter: Mapping[str, torch.Tensor] | None = None) -> None:
+                   adapter: Mapping[str, torch.Tensor] | None = None,
+                   adapter_checksum: str | None = None) -> None:
         """Commit checkpoint ``step`` (adapter, optimizer, RNG states, consumed group ids,
         output version, ``extra``) atomically. ``adapter``: ``adapter_state()`` as already
-        copied (copied now when ``None``)."""
-        save_checkpoint(directory, step, self.adapter_state() if adapter is None else adapter,
-                        self.optimizer.state_dict(), version, sorted(consumed), rng_states,
-                        extra)
+        copied (copied now when ``None``), ``adapter_checksum`` its checksum when already
+        computed (``checksum().adapter_checksum`` taken with it)."""
+        if adapter is None:
+            adapter, adapter_checksum = self.adapter_state(), None
+        save_checkpoint(directory, step, adapter, self.optimizer.state_dict(), version,
+                        sorted(consumed), rng_states, extra, model_checksum=adapter_checksum)
 
     def restore(self, ckpt: Checkpoint) -> None:
         """Load a checkpoint's adapter and optimizer state; the step count follows it."""

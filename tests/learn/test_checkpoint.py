@@ -303,3 +303,15 @@ def test_sigkill_recovery_gives_exactly_once(tmp_path: Path) -> None:
 
 if __name__ == "__main__":
     _child_main(sys.argv[1], sys.argv[2])
+
+
+def test_a_model_checksum_handed_in_is_the_one_load_verifies(tmp_path: Path) -> None:
+    from closedloop.policy.weights import state_dict_checksum
+
+    state = {"w": torch.arange(6.0)}
+    save_checkpoint(tmp_path, 1, state, {}, "v0001", [], model_checksum=state_dict_checksum(
+        state))
+    assert load_checkpoint(tmp_path / "step-000001").model_checksum == state_dict_checksum(state)
+    save_checkpoint(tmp_path, 2, state, {}, "v0002", [], model_checksum="sha256:" + "0" * 64)
+    with pytest.raises(CheckpointError, match="model checksum mismatch"):
+        load_checkpoint(tmp_path / "step-000002")

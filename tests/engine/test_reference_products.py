@@ -1,6 +1,7 @@
-"""Few-row float32 products as ``(W xᵀ)ᵀ``: the same values as ``nn.Linear`` up to float32
-summation order, only where promised (no gradients, at most ``FEW_ROWS`` rows, float32
-Linears running their own forward), and the probe reference unchanged by them."""
+"""The probe reference's float32 products (packed frozen weights, ``(W xᵀ)ᵀ`` for a few
+rows): the same values as ``nn.Linear`` up to float32 summation order, only where promised (no
+gradients, float32 Linears running their own forward; packed only when asked, frozen and wide
+enough), and the probe reference unchanged by them."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import torch
 from torch import nn
 
 from closedloop.engine import trainer_probe_reference
-from closedloop.engine.few_rows import FEW_ROWS, few_row_products
+from closedloop.engine.llama_decode import onednn_fp32_packing
 from closedloop.engine.precision import linear_precision, matmul_precision
+from closedloop.engine.reference_products import FEW_ROWS, reference_products
 from closedloop.policy import attach_lora
 from closedloop.policy.tiny_model import build_tiny_model
 
@@ -25,7 +27,7 @@ def test_products_equal_linears_and_leave_the_module_as_it_was() -> None:
     x = torch.randn(3, 5, 64)
     with torch.no_grad():
         expected = model(x)
-        with few_row_products(model):
+        with reference_products(model):
             assert all("forward" in m.__dict__ for m in model)
             got = model(x)
     assert got.shape == expected.shape
@@ -38,7 +40,7 @@ def test_many_rows_and_gradients_keep_the_linear_product() -> None:
     lin = nn.Linear(16, 8)
     many = torch.randn(FEW_ROWS + 1, 16)
     few = torch.randn(4, 16, requires_grad=True)
-    with few_row_products(lin):
+    with reference_products(lin):
         with torch.no_grad():
             assert torch.equal(lin(many), nn.functional.linear(many, lin.weight, lin.bias))
         out = lin(few)  # gradients on: nn.Linear's own product, differentiable
@@ -49,7 +51,7 @@ def test_many_rows_and_gradients_keep_the_linear_product() -> None:
 
 def test_linears_under_the_bf16_rule_are_left_to_it() -> None:
     lin = nn.Linear(16, 8)
-    with matmul_precision(lin, "bfloat16"), few_row_products(lin):
+    with matmul_precision(lin, "bfloat16"), reference_products(lin):
         assert linear_precision(lin) == "bfloat16"
     assert linear_precision(lin) == "float32"
 
@@ -68,3 +70,27 @@ def test_the_probe_reference_matches_the_plain_forward(tokenizer) -> None:
         expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])
     assert got == pytest.approx(expected.squeeze(-1).tolist(), abs=ATOL)
     assert all("forward" not in m.__dict__ for m in model.modules() if isinstance(m, nn.Linear))
+
+
+@pytest.mark.skipif(not onednn_fp32_packing(), reason="torch without oneDNN")
+def test_wide_frozen_weights_are_packed_once_per_version() -> None:
+    torch.manual_seed(2)
+    wide = nn.Linear(256, 320).requires_grad_(False)
+    trained = nn.Linear(256, 320)  # requires grad: never packed
+    x = torch.randn(7, 256)
+    with torch.no_grad():
+        expected, expected_t = wide(x), trained(x)
+        with reference_products(wide, packed=True), reference_products(trained, packed=True):
+            torch.testing.assert_close(wide(x), expected, atol=ATOL, rtol=0)
+            torch.testing.assert_close(trained(x), expected_t, atol=ATOL, rtol=0)
+            first = wide.__dict__["_closedloop_packed"][1]
+            wide(x)
+            assert wide.__dict__["_closedloop_packed"][1] is first  # kept, not re-packed
+            wide.weight.add_(1.0)  # a new version of the weight is packed anew
+            torch.testing.assert_close(wide(x), nn.functional.linear(x, wide.weight, wide.bias),
+                                       atol=ATOL, rtol=0)
+            assert wide.__dict__["_closedloop_packed"][1] is not first
+        assert "_closedloop_packed" not in trained.__dict__
+        with reference_products(wide):  # packed=False: the few-row form
+            torch.testing.assert_close(wide(x), nn.functional.linear(x, wide.weight, wide.bias),
+                                       atol=ATOL, rtol=0)

@@ -173,8 +173,8 @@ def matmul_precision(model: Any, precision: str, share_input_casts: bool = True
     if precision == "float32":
         yield
         return
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)
-               and "forward" not in m.__dict__]
+    linears = [] if model.__dict__.get("_closedloop_bound_rule") == precision else [
+        m for m in model.modules() if isinstance(m, nn.Linear) and "forward" not in m.__dict__]
     for m in linears:
         m.forward = types.MethodType(_bf16_linear_forward, m)  # type: ignore[method-assign]
     outer = _SLOT.depth == 0
@@ -189,6 +189,19 @@ def matmul_precision(model: Any, precision: str, share_input_casts: bool = True
             _SLOT.share, _SLOT.entries = False, ()
         for m in linears:
             del m.forward
+
+
+def bind_matmul_precision(model: Any, precision: str) -> None:
+    """Bind ``precision``'s rule to ``model``'s Linears for good (once): for a copy held for
+    scoring only, whose ``matmul_precision`` blocks then skip the walk over its modules and
+    the binding (input casts are still shared inside a block). ``float32`` binds nothing."""
+    check_precision(precision)
+    if precision == "float32" or model.__dict__.get("_closedloop_bound_rule") == precision:
+        return
+    for m in model.modules():
+        if isinstance(m, nn.Linear) and "forward" not in m.__dict__:
+            m.forward = types.MethodType(_bf16_linear_forward, m)  # type: ignore[method-assign]
+    model.__dict__["_closedloop_bound_rule"] = precision
 
 
 def drop_bf16_copies(model: Any) -> None:

@@ -114,14 +114,20 @@ def trainer_probe_reference(model: Any, temperature: float, precision: str = "fl
     (``trainer_path_logprobs`` at ``temperature``, matmul ``precision``), in eval mode: a
     model in training mode is switched to eval for the call and back; one already in eval
     mode (an inference copy) is left alone (switching walks every module). Its float32
-    products run as ``closedloop.engine.reference_products`` says; ``packed``: with the frozen
-    weights oneDNN-packed, a copy kept on ``model``'s modules (for a model held for scoring
-    only)."""
+    products run as ``closedloop.engine.reference_products`` says; ``packed``: ``model`` is a
+    copy held for scoring only, whose Linears get their products bound for good: in float32
+    the packed form (a packed copy of each frozen weight kept on its modules), in bf16 the
+    bf16 rule (``bind_matmul_precision``)."""
     from contextlib import nullcontext
 
-    from closedloop.engine.precision import matmul_precision
+    from closedloop.engine.precision import bind_matmul_precision, matmul_precision
     from closedloop.engine.prefix_logprobs import trainer_path_logprobs
-    from closedloop.engine.reference_products import reference_products
+    from closedloop.engine.reference_products import bind_reference_products, reference_products
+
+    if packed and precision == "float32":
+        bind_reference_products(model)
+    elif packed:
+        bind_matmul_precision(model, precision)
 
     def reference(prompt_ids: Sequence[int], action_ids: Sequence[int]) -> list[float]:
         ids_1_T = torch.tensor([list(prompt_ids) + list(action_ids)])
@@ -133,7 +139,7 @@ def trainer_probe_reference(model: Any, temperature: float, precision: str = "fl
             model.eval()
         try:
             with torch.no_grad(), matmul_precision(model, precision), (
-                    reference_products(model, packed) if precision == "float32"
+                    reference_products(model) if precision == "float32" and not packed
                     else nullcontext()):
                 lps = trainer_path_logprobs(model, ids_1_T.to(device),
                                             torch.ones_like(ids_1_T).to(device),

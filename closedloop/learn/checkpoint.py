@@ -123,12 +123,15 @@ def save_checkpoint(
     *,
     keep_last: int = 3,
     model_checksum: str | None = None,
+    model_bytes: bytes | None = None,
 ) -> Path:
     """Write checkpoint ``step`` atomically and return its directory.
 
     ``consumed_group_ids`` must be cumulative (all groups applied so far); ``extra`` must be
     JSON. ``model_checksum``: ``state_dict_checksum(model_state)`` when the caller has just
-    computed it from these very tensors (else it is computed here). Raises
+    computed it from these very tensors (else it is computed here); ``model_bytes``: their
+    safetensors bytes when already serialized (``closedloop.policy.registry.prepare_weights``,
+    written as ``model.safetensors``). Raises
     ``CheckpointExistsError`` when a valid checkpoint at ``step`` or later exists (a corrupt
     one in the way is moved aside). Assumes a single writer per ``directory``: leftover
     temporary directories of a crashed writer are deleted.
@@ -154,6 +157,7 @@ def save_checkpoint(
             rng_states,
             extra,
             model_checksum,
+            model_bytes,
         )
         fsync_dir(tmp)
         os.rename(tmp, root / name)
@@ -182,9 +186,10 @@ def _write_files(
     rng_states: Mapping[str, Any] | None,
     extra: Mapping[str, Any] | None,
     model_checksum: str | None,
+    model_bytes: bytes | None,
 ) -> dict[str, Any]:
     payloads = {
-        "model.safetensors": tensors_to_bytes(model_state),
+        "model.safetensors": tensors_to_bytes(model_state) if model_bytes is None else model_bytes,
         _FILES[CHECKPOINT_FORMAT][0]: _optimizer_bytes(optimizer_state),
         "rng.pt": _torch_bytes(dict(rng_states or {})),
     }

@@ -289,6 +289,12 @@ class PolicyChecksummer:
         adapter, digests = checksum_and_digests(adapter_sd)
         return PolicyChecksum(base, adapter, combine_checksums(base, adapter)), digests
 
+    def with_adapter(self, adapter_checksum: str) -> PolicyChecksum:
+        """The checksums given the adapter's, taken from a copy of the adapter as it is now
+        (only the base's part is looked up, recomputed if the base moved)."""
+        base = self._base_checksum(self.split()[0])
+        return PolicyChecksum(base, adapter_checksum, combine_checksums(base, adapter_checksum))
+
     def _base_checksum(self, base_sd: dict[str, torch.Tensor]) -> str:
         key = tuple((name, t.data_ptr(), t._version) for name, t in sorted(base_sd.items()))
         if key != self._key or self._base is None:

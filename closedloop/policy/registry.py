@@ -21,10 +21,11 @@ Publication protocol (docs/concepts.md, atomic weight publication)::
     -> require_all_worker_checksums(version, workers)
     -> publish(version): re-verify, then replace ACTIVE atomically (write temp + os.replace)
 
-Verifying a version this registry object staged itself compares each of its files' sha256
-with the one taken when it was written: files unchanged byte for byte still hold what staging
-checked (tensors, checksum, digests and manifest agreeing), without parsing and re-hashing
-the tensors one by one. Any other version, and every other process, verifies in full.
+Until a version is published, the registry object that staged it keeps its files' bytes:
+verifying it, or reading its tensors, compares the files with them byte for byte (files
+unchanged still hold what staging checked: tensors, checksum, digests and manifest agreeing)
+instead of parsing and re-hashing the tensors one by one. Any other version, and every other
+process, verifies in full.
 
 Episode-level policy leases give ``finish_old`` semantics: :meth:`PolicyRegistry.lease_for_episode`
 returns an immutable :class:`PolicyLease` naming the version active *when the episode starts*;
@@ -54,7 +55,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from closedloop.contracts.hashing import canonical_json, sha256_hex
+from closedloop.contracts.hashing import canonical_json
 from closedloop.contracts.manifest import PolicyManifest
 from closedloop.errors import (
     ChecksumMismatchError,
@@ -90,6 +91,7 @@ __all__ = [
 
 WeightsKind = Literal["full", "adapter"]
 _FILES: dict[str, str] = {"full": "weights.safetensors", "adapter": "adapter.safetensors"}
+_KEPT_UNPUBLISHED = 4  # staged versions whose bytes a registry keeps until they are published
 _VERSION_RE = re.compile(r"^v(\d{4,})$")
 _WORKER_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 
@@ -164,6 +166,24 @@ def tensors_to_bytes(state: Mapping[str, torch.Tensor]) -> bytes:
     return save_safetensors(plain)
 
 
+@dataclass(frozen=True)
+class PreparedWeights:
+    """A state dict serialized once and hashed as read back (``prepare_weights``): what
+    ``stage`` writes, and what a checkpoint can write as its own copy of the same tensors."""
+
+    payload: bytes
+    checksum: str
+    digests: dict[str, str]
+
+
+def prepare_weights(state: Mapping[str, torch.Tensor]) -> PreparedWeights:
+    """Serialize ``state`` (``tensors_to_bytes``) and hash the tensors the bytes hold
+    (``checksum_and_digests`` of the payload read back, not of ``state``)."""
+    payload = tensors_to_bytes(state)
+    checksum, digests = checksum_and_digests(load_safetensors(payload))
+    return PreparedWeights(payload, checksum, digests)
+
+
 # ----------------------------------------------------------------------------- records
 @dataclass(frozen=True)
 class StagedVersion:
@@ -232,7 +252,7 @@ class PolicyRegistry:
         self._lock = threading.Lock()
         self._lease_ids = itertools.count(1)
         self._open: dict[int, PolicyLease] = {}
-        self._written: dict[str, dict[str, str]] = {}  # version -> file -> sha256, as staged
+        self._written: dict[str, dict[str, bytes]] = {}  # unpublished version -> its files
 
     # ------------------------------------------------------------------ versions
     def versions(self) -> list[str]:
@@ -258,9 +278,11 @@ class PolicyRegistry:
         except (ClosedloopError, KeyError, TypeError, ValueError) as exc:
             raise RegistryError(f"{path}: not a policy manifest ({exc!r})") from None
 
-    def stage(self, state_dict: Mapping[str, torch.Tensor], manifest_template: PolicyManifest,
-              *, kind: WeightsKind = "full", version: str | None = None) -> StagedVersion:
+    def stage(self, state_dict: Mapping[str, torch.Tensor] | PreparedWeights,
+              manifest_template: PolicyManifest, *, kind: WeightsKind = "full",
+              version: str | None = None) -> StagedVersion:
         """Write a new immutable version and return it verified (not yet active).
+        ``state_dict`` may come already serialized and hashed (``prepare_weights``).
 
         ``kind="full"``: ``state_dict`` is the whole model; ``weight_checksum`` is its checksum.
         ``kind="adapter"``: ``state_dict`` holds LoRA adapter tensors; the template must carry
@@ -279,9 +301,9 @@ class PolicyRegistry:
             version = version_name(version_index(version))
             if version in existing:
                 raise RegistryError(f"policy version {version} already exists (immutable)")
-            payload = tensors_to_bytes(state_dict)
-            written = load_safetensors(payload)  # what the file will hold, hashed as read
-            checksum, digests = checksum_and_digests(written)
+            prepared = (state_dict if isinstance(state_dict, PreparedWeights)
+                        else prepare_weights(state_dict))  # hashed as the file will hold it
+            payload, checksum, digests = prepared.payload, prepared.checksum, prepared.digests
             manifest = _manifest_for(manifest_template, version, checksum, kind)
             files = {_FILES[kind]: payload,
                      "manifest.json": canonical_json(manifest.to_dict()).encode(),
@@ -305,7 +327,9 @@ class PolicyRegistry:
                     raise
                 raise RegistryError(f"could not stage {version}: {exc}") from exc
             fsync_dir(final.parent)
-            self._written[version] = {name: sha256_hex(data) for name, data in files.items()}
+            self._written[version] = files
+            for old in sorted(self._written, key=version_index)[:-_KEPT_UNPUBLISHED]:
+                del self._written[old]
         return StagedVersion(version, checksum, manifest, final)
 
     def verify(self, version: str) -> str:
@@ -318,13 +342,7 @@ class PolicyRegistry:
         """
         folder = self.path(version)
         recorded = _recorded_checksum(folder)
-        written = self._written.get(version)
-        if written is not None:
-            _kind_of(folder)  # one weights file, as when it was staged
-            for name, expected in written.items():
-                path = folder / name
-                if not path.is_file() or sha256_hex(path.read_bytes()) != expected:
-                    raise ChecksumMismatchError(f"{path}: not the file staged")
+        if self._unchanged(version) is not None:
             return recorded
         tensors = _verify_folder(folder, recorded)
         if (folder / "digests.json").is_file() and \
@@ -353,7 +371,25 @@ class PolicyRegistry:
         """Load a version's tensors, verifying their checksum (``ChecksumMismatchError``)."""
         folder = self.path(version)
         recorded = _recorded_checksum(folder)
+        weights = self._unchanged(version)
+        if weights is not None:
+            return load_safetensors(weights)
         return _verify_folder(folder, recorded)
+
+    def _unchanged(self, version: str) -> bytes | None:
+        """For a version this object staged and has not published: check its files are the
+        bytes it wrote (``ChecksumMismatchError`` naming the first that is not) and return the
+        weights file's bytes; ``None`` for any other version (module doc)."""
+        written = self._written.get(version)
+        if written is None:
+            return None
+        folder = self.path(version)
+        kind_file = _FILES[_kind_of(folder)]  # one weights file, as when it was staged
+        for name, expected in written.items():
+            path = folder / name
+            if not path.is_file() or path.read_bytes() != expected:
+                raise ChecksumMismatchError(f"{path}: not the file staged")
+        return written[kind_file]
 
     # ------------------------------------------------------------------ publication
     def publish(self, version: str, *,
@@ -375,6 +411,7 @@ class PolicyRegistry:
             log.write(canonical_json(pointer).encode() + b"\n")
             log.flush()
             os.fsync(log.fileno())
+        self._written.pop(version, None)
         return PublishedVersion(version, manifest, manifest.weight_checksum, self.path(version),
                                 now)
 

@@ -30,7 +30,7 @@ from closedloop.contracts import PolicyManifest
 from closedloop.engine import trainer_probe_reference
 from closedloop.errors import PublicationError, RegistryError, ReplicaError
 from closedloop.policy.lora import PolicyChecksum, SplitView
-from closedloop.policy.registry import PolicyRegistry, version_index
+from closedloop.policy.registry import PolicyRegistry, PreparedWeights, version_index
 from closedloop.training.replicas import ReplicaPool
 from closedloop.training.weight_sync import Probe, Proof
 
@@ -120,7 +120,8 @@ class Publisher:
         self.quarantined: dict[str, str] = {}
         self._lock = threading.Lock()
 
-    def stage(self, version: str, adapter: dict, checksum: PolicyChecksum) -> PolicyManifest:
+    def stage(self, version: str, adapter: dict | PreparedWeights,
+              checksum: PolicyChecksum) -> PolicyManifest:
         """Stage the trainer's adapter as ``version`` (immutable; one staged before a crash is
         kept when it holds these very weights), then have every replica prove it."""
         template = self.manifest_of(version, checksum)

@@ -17,7 +17,7 @@ import torch
 
 from closedloop.errors import LedgerInconsistencyError, RunStateError
 from closedloop.learn.checkpoint import capture_rng_states, restore_rng_states
-from closedloop.policy.registry import version_name
+from closedloop.policy.registry import PreparedWeights, prepare_weights, version_name
 from closedloop.progress import log
 from closedloop.rollout.task_sampler import DifficultyBandSampler
 from closedloop.rollout.verifier_step import CollectedGroup
@@ -31,10 +31,10 @@ __all__ = ["checkpoint", "commit_step", "resume"]
 
 def checkpoint(run: Run, step: int, version: str, *,
                adapter: Mapping[str, torch.Tensor] | None = None,
-               adapter_checksum: str | None = None) -> None:
+               prepared: PreparedWeights | None = None) -> None:
     """Commit trainer checkpoint ``step`` (output ``version``) atomically. ``adapter``: the
     trainer's adapter as already copied (``TrainerRole.adapter_state``; copied now if
-    ``None``), ``adapter_checksum`` its checksum taken with it."""
+    ``None``), ``prepared`` its bytes and checksum (``prepare_weights``)."""
     trainer, worker, _ = run.roles()
     state = run.state
     extra: dict[str, Any] = {"sft_tokens": state.sft_tokens,
@@ -46,7 +46,7 @@ def checkpoint(run: Run, step: int, version: str, *,
     save_critic(run, step)  # the GAE critic beside this checkpoint, written before it commits
     trainer.checkpoint(run.dir / "checkpoints", step, version, sorted(state.consumed),
                        capture_rng_states({"generator": worker.rng}), extra, adapter=adapter,
-                       adapter_checksum=adapter_checksum)
+                       prepared=prepared)
 
 
 def commit_step(run: Run, step: int, admitted: Sequence[CollectedGroup], output: str, *,
@@ -54,20 +54,23 @@ def commit_step(run: Run, step: int, admitted: Sequence[CollectedGroup], output:
     """After step ``step``'s update: checkpoint ``step + 1`` (the commit point), mark the
     admitted groups consumed in the ledger, stage ``output``; with ``publish_inline`` the
     worker loads and acknowledges it at once (else at its next round boundary). The adapter
-    is copied and hashed once for all three, and the publisher's reference scores the probe
-    on that copy (``ProbeReference.prime``) instead of reading the version back."""
+    is copied, serialized and hashed (as read back) once for the checkpoint and the stage,
+    and the publisher's reference scores the probe on that copy (``ProbeReference.prime``)
+    instead of reading the version back."""
     run.state.consumed.update(g.lease.group_id for g in admitted)
     trainer, _, publisher = run.roles()
-    adapter, checksum = trainer.adapter_state(), trainer.checksum()
-    checkpoint(run, step + 1, output, adapter=adapter, adapter_checksum=checksum.adapter_checksum)
+    adapter = trainer.adapter_state()
+    prepared = prepare_weights(adapter)
+    checksum = trainer.checksum_with(prepared.checksum)
+    checkpoint(run, step + 1, output, adapter=adapter, prepared=prepared)
     if admitted:
         run.ctx.ledger.mark_consumed([g.lease.group_id for g in admitted], step + 1, output)
     if publisher.reference is not None and publisher.probe is not None:
         publisher.reference.prime(checksum.combined, adapter, publisher.probe)
     if publish_inline:
-        publish(run, output, adapter=adapter, checksum=checksum)
+        publish(run, output, adapter=prepared, checksum=checksum)
     else:
-        publisher.stage(output, adapter, checksum)
+        publisher.stage(output, prepared, checksum)
 
 
 def resume(run: Run) -> bool:

@@ -27,7 +27,7 @@ from closedloop.errors import EnvPackageError, RunNotReadyError
 from closedloop.learn.logprob_audit import sample_drift
 from closedloop.policy import LoadedModel, check_append_only, load_model
 from closedloop.policy.lora import PolicyChecksum
-from closedloop.policy.registry import PolicyRegistry
+from closedloop.policy.registry import PolicyRegistry, PreparedWeights
 from closedloop.progress import log, phase
 from closedloop.rollout.admission import AdmissionController
 from closedloop.rollout.ledger import Ledger
@@ -342,11 +342,13 @@ def group_drift(run: Run, group: Any) -> float | None:
                         temperature=run.cfg.rollout.temperature)
 
 
-def publish(run: Run, version: str, *, adapter: dict[str, torch.Tensor] | None = None,
+def publish(run: Run, version: str, *,
+            adapter: dict[str, torch.Tensor] | PreparedWeights | None = None,
             checksum: PolicyChecksum | None = None) -> PolicyManifest:
     """Stage the trainer's adapter as ``version`` (every replica proves it); the in-process
     worker loads it and proves what it holds; the version becomes active. ``adapter`` and
-    ``checksum``: the trainer's, as already copied and computed (taken now when ``None``)."""
+    ``checksum``: the trainer's, as already copied (or serialized: ``prepare_weights``) and
+    computed (taken now when ``None``)."""
     trainer, _, publisher = run.roles()
     manifest = publisher.stage(version,
                                trainer.adapter_state() if adapter is None else adapter,

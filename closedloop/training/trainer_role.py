@@ -28,6 +28,7 @@ from closedloop.policy.lora import (
     adapter_is_inert,
     split_state_dict,
 )
+from closedloop.policy.registry import PreparedWeights
 from closedloop.rollout.tensors import build_training_batch
 
 __all__ = ["TrainerRole", "adapter_state", "trainer_config"]
@@ -101,15 +102,22 @@ class TrainerRole:
     def checkpoint(self, directory: Any, step: int, version: str, consumed: Sequence[str],
                    rng_states: Mapping[str, Any], extra: Mapping[str, Any], *,
                    adapter: Mapping[str, torch.Tensor] | None = None,
-                   adapter_checksum: str | None = None) -> None:
+                   prepared: PreparedWeights | None = None) -> None:
         """Commit checkpoint ``step`` (adapter, optimizer, RNG states, consumed group ids,
         output version, ``extra``) atomically. ``adapter``: ``adapter_state()`` as already
-        copied (copied now when ``None``), ``adapter_checksum`` its checksum when already
-        computed (``checksum().adapter_checksum`` taken with it)."""
+        copied (copied now when ``None``); ``prepared``: its bytes and checksum when already
+        serialized (``prepare_weights(adapter)``), written as they are."""
         if adapter is None:
-            adapter, adapter_checksum = self.adapter_state(), None
+            adapter, prepared = self.adapter_state(), None
         save_checkpoint(directory, step, adapter, self.optimizer.state_dict(), version,
-                        sorted(consumed), rng_states, extra, model_checksum=adapter_checksum)
+                        sorted(consumed), rng_states, extra,
+                        model_checksum=prepared.checksum if prepared else None,
+                        model_bytes=prepared.payload if prepared else None)
+
+    def checksum_with(self, adapter_checksum: str) -> PolicyChecksum:
+        """``checksum()`` given the adapter's checksum, already taken from a copy of the
+        adapter as it is now (``prepare_weights``): only the base's part is looked up."""
+        return self._checksum.with_adapter(adapter_checksum)
 
     def restore(self, ckpt: Checkpoint) -> None:
         """Load a checkpoint's adapter and optimizer state; the step count follows it."""

@@ -94,3 +94,33 @@ def test_wide_frozen_weights_are_packed_once_per_version() -> None:
         with reference_products(wide):  # packed=False: the few-row form
             torch.testing.assert_close(wide(x), nn.functional.linear(x, wide.weight, wide.bias),
                                        atol=ATOL, rtol=0)
+
+
+def test_a_scoring_copy_is_bound_once_and_scores_as_before(tokenizer) -> None:
+    from closedloop.engine.reference_products import bind_reference_products
+
+    model = attach_lora(build_tiny_model(tokenizer, seed=0), seed=1).eval()
+    ids = tokenizer.encode("Probe: repair config.json.")
+    before = trainer_probe_reference(model, 0.7, "float32")(ids[:1], ids[1:])
+    score = trainer_probe_reference(model, 0.7, "float32", packed=True)
+    bound = {id(m): m.__dict__["forward"] for m in model.modules() if isinstance(m, nn.Linear)}
+    bind_reference_products(model)  # a second binding changes nothing
+    assert all(m.__dict__["forward"] is bound[id(m)]
+               for m in model.modules() if isinstance(m, nn.Linear))
+    assert score(ids[:1], ids[1:]) == pytest.approx(before, abs=ATOL)
+
+
+def test_a_scoring_copy_bound_to_the_bf16_rule_scores_bit_for_bit_as_the_block(
+        tokenizer) -> None:
+    from closedloop.engine.precision import bind_matmul_precision
+
+    model = attach_lora(build_tiny_model(tokenizer, seed=0), seed=1).eval()
+    ids = tokenizer.encode("Probe: repair config.json.")
+    before = trainer_probe_reference(model, 0.7, "bfloat16")(ids[:1], ids[1:])
+    assert all(linear_precision(m) == "float32" for m in model.modules()
+               if isinstance(m, nn.Linear))  # the block left nothing bound
+    score = trainer_probe_reference(model, 0.7, "bfloat16", packed=True)
+    assert all(linear_precision(m) == "bfloat16" for m in model.modules()
+               if isinstance(m, nn.Linear))
+    bind_matmul_precision(model, "bfloat16")  # once only
+    assert score(ids[:1], ids[1:]) == before

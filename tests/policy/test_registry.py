@@ -146,6 +146,35 @@ def test_a_version_changed_after_staging_fails_verify_in_the_stager_and_elsewher
     assert reg.active() is None
 
 
+def test_prepared_weights_stage_the_same_version_and_reads_check_the_bytes(
+        tmp_path: Path) -> None:
+    """A version staged from ``prepare_weights`` is byte for byte the one staged from the
+    tensors; until it is published its stager reads it back against the bytes it wrote (a
+    changed file refused, naming it), then in full like any other reader."""
+    from closedloop.policy.registry import prepare_weights
+
+    a, b = PolicyRegistry(tmp_path / "a"), PolicyRegistry(tmp_path / "b")
+    state = weights(3)
+    prepared = prepare_weights(state)
+    va, vb = a.stage(state, template()), b.stage(prepared, template())
+    for name in ("weights.safetensors", "manifest.json", "checksum", "digests.json"):
+        assert (va.path / name).read_bytes() == (vb.path / name).read_bytes()
+    assert prepared.checksum == va.checksum and prepared.digests == a.tensor_digests(va.version)
+    loaded = b.load_state_dict(vb.version)
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
+    path = vb.path / "weights.safetensors"
+    good = path.read_bytes()
+    path.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+    with pytest.raises(ChecksumMismatchError, match=r"weights\.safetensors: not the file staged"):
+        b.load_state_dict(vb.version)
+    path.write_bytes(good)
+    b.publish(vb.version)
+    assert b._written == {}  # published: its bytes are let go, reads verify in full
+    path.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+    with pytest.raises(ChecksumMismatchError, match="weights checksum"):
+        b.load_state_dict(vb.version)
+
+
 def test_damaged_registry_files_are_registry_errors_naming_the_file(
         reg: PolicyRegistry) -> None:
     version = reg.stage(weights(0), template()).version

@@ -79,7 +79,9 @@ def tensor_digests(state: Mapping[str, torch.Tensor]) -> dict[str, str]:
 
 def checksum_and_digests(state: Mapping[str, torch.Tensor]) -> tuple[str, dict[str, str]]:
     """``(state_dict_checksum(state), tensor_digests(state))`` from one walk over the tensors'
-    bytes (each byte still passes both hashes)."""
+    bytes (each byte still passes both hashes). The vLLM engine process, which cannot import
+    closedloop, hashes with its own copy of this walk (``closedloop.engine.vllm_server
+    .hash_tensors``); a test holds the two equal."""
     whole, digests = hashlib.sha256(), {}
     for name, header, data in _records(state.items()):
         whole.update(header)

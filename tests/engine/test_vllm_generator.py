@@ -56,7 +56,7 @@ from closedloop.learn.trainer import Trainer, TrainerConfig
 from closedloop.policy import ChatRenderer, build_tiny_model, load_embedded_tokenizer
 from closedloop.policy.lora import attach_lora, policy_weight_checksum, split_state_dict
 from closedloop.policy.registry import PolicyRegistry
-from closedloop.policy.weights import checksum_tensors
+from closedloop.policy.weights import checksum_and_digests, checksum_tensors
 from closedloop.rollout.source import GeneratorSource
 from closedloop.rollout.tensors import build_training_batch
 from closedloop.training.wiring import CollectorParts, build_manifest, make_collector
@@ -77,6 +77,7 @@ def test_the_engine_hashes_with_closedloops_recipe():
              "c": torch.arange(7)}
     checksum, digests = hash_tensors(state.items())
     assert checksum == checksum_tensors(state.items())
+    assert (checksum, digests) == checksum_and_digests(state)  # the same one-walk recipe
     assert set(digests) == set(state)
     one = dict(state, c=torch.arange(7) + 1)
     _, other = hash_tensors(one.items())

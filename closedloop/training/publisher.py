@@ -51,10 +51,11 @@ class ProbeReference:
     checksum, which ``prime`` gives it straight from the trainer's adapter before the version
     is staged (``closedloop.training.resume.commit_step``). One call at a time holds and
     scores: under ``rollout.mode: async`` the trainer's thread primes while the generator's
-    thread may be having an older version's proof checked. In float32 the copy keeps its
-    frozen base weights oneDNN-packed for its products (``closedloop.engine.reference_products``:
-    one more copy of the base, 540 MB for SmolLM2; the adapter stays unmerged, as the trainer
-    computes it)."""
+    thread may be having an older version's proof checked. The copy's products are bound
+    once (``trainer_probe_reference(..., packed=True)``): in float32 its frozen base weights
+    are multiplied oneDNN-packed (``closedloop.engine.reference_products``: one more copy of
+    the base, 540 MB for SmolLM2; the adapter stays unmerged, as the trainer computes it), in
+    bf16 by the bf16 rule."""
 
     def __init__(self, model: Any, registry: PolicyRegistry, precision: str) -> None:
         from closedloop.training.rollout_worker import inference_copy

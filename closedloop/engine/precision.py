@@ -173,10 +173,8 @@ def matmul_precision(model: Any, precision: str, share_input_casts: bool = True
     if precision == "float32":
         yield
         return
-    linears = [] if model.__dict__.get("_closedloop_bound_rule") == precision else [
-        m for m in model.modules() if isinstance(m, nn.Linear) and "forward" not in m.__dict__]
-    for m in linears:
-        m.forward = types.MethodType(_bf16_linear_forward, m)  # type: ignore[method-assign]
+    linears = [] if model.__dict__.get("_closedloop_bound_rule") == precision else _bind_rule(
+        model)
     outer = _SLOT.depth == 0
     if outer:
         _SLOT.share, _SLOT.entries = share_input_casts, ()
@@ -198,10 +196,18 @@ def bind_matmul_precision(model: Any, precision: str) -> None:
     check_precision(precision)
     if precision == "float32" or model.__dict__.get("_closedloop_bound_rule") == precision:
         return
-    for m in model.modules():
-        if isinstance(m, nn.Linear) and "forward" not in m.__dict__:
-            m.forward = types.MethodType(_bf16_linear_forward, m)  # type: ignore[method-assign]
+    _bind_rule(model)
     model.__dict__["_closedloop_bound_rule"] = precision
+
+
+def _bind_rule(model: Any) -> list[nn.Linear]:
+    """Bind the bf16 rule to each ``nn.Linear`` of ``model`` running its own forward; those
+    Linears."""
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)
+               and "forward" not in m.__dict__]
+    for m in linears:
+        m.forward = types.MethodType(_bf16_linear_forward, m)  # type: ignore[method-assign]
+    return linears
 
 
 def drop_bf16_copies(model: Any) -> None:

@@ -18,8 +18,10 @@ import closedloop.training.warm_start as warm_start_module
 from closedloop.config import parse_config
 from closedloop.engine import MatmulRates
 from closedloop.errors import EmulatedBf16Warning
+from closedloop.policy.registry import version_name
 from closedloop.training.loop import opened_run
-from closedloop.training.run import manifest_for
+from closedloop.training.resume import resume
+from closedloop.training.run import manifest_for, publish
 from tests.conftest import short_run_config
 
 AMX_FLAGS = "fpu sse2 avx2 avx512f amx_tile amx_bf16"
@@ -47,10 +49,18 @@ def open_and_record(cfg: dict[str, Any], run_dir: Path, monkeypatch) -> dict[str
     with opened_run(parse_config(cfg), run_dir) as run:
         assert run.trainer is not None
         assert run.worker is not None
+        assert not resume(run)  # a new run: checkpoint 0
+        publish(run, version_name(0))  # staged, proved by the worker, active
         seen.update(run=run.ctx.precision.precision, trainer=run.trainer.config.precision,
                     generator=run.worker.generator.precision,
-                    manifest=manifest_for(run, "v0000").dtype)
+                    manifest=manifest_for(run, "v0000").dtype,
+                    probe_gated=(run.publisher.reference is not None,
+                                 run.publisher.probe_tol is not None,
+                                 run.probe is not None),
+                    probe_ids=len(run.probe.ids) if run.probe is not None else 0)
     seen["recorded"] = json.loads((run_dir / "config.json").read_text())["precision"]
+    seen["ack"] = json.loads((run_dir / "registry" / "acks" / "v0000" / "generator-0.json"
+                              ).read_text())
     return seen
 
 
@@ -66,6 +76,13 @@ def test_auto_resolves_once_and_every_path_follows(tiny_agent_dir: Path, tmp_pat
     assert seen["manifest"] == LABELS[expected]
     assert seen["recorded"]["requested"] == "auto"
     assert seen["recorded"]["precision"] == expected
+    # the probe gates float32 publications; a bf16 run scores none (docs/concepts.md, atomic
+    # weight publication), and its ACK still carries the worker's own hashes
+    gated = expected == "float32"
+    assert seen["probe_gated"] == (gated, gated, gated)
+    assert len(seen["ack"]["probe_logprobs"]) == (seen["probe_ids"] - 1 if gated else 0)
+    assert (seen["ack"]["probe_max_abs_delta"] is not None) == gated
+    assert seen["ack"]["checksum_loaded"].startswith("sha256:") and seen["ack"]["digests_hash"]
 
 
 def test_a_resumed_run_keeps_its_precision_on_another_host(tiny_agent_dir: Path,

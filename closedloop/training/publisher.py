@@ -8,7 +8,8 @@ active only once all of them have (atomic weight publication, docs/concepts.md).
        a shadow slot) loads it, hashes what it now holds and scores the fixed probe: its Proof
     -> the publisher checks each proof: the worker's own checksum is the manifest's, its
        per-tensor digests are the staged ones, its probe log-probs are the trainer's scoring
-       of the same fixed ids at that version (float32 runs: within consistency.max_abs_tolerance)
+       of the same fixed ids at that version (float32 runs: within consistency.max_abs_tolerance;
+       bf16 runs score no probe: docs/concepts.md, atomic weight publication)
     -> every worker proved it: ACTIVE switches (one atomic rename), the replicas swap their
        shadow in
 

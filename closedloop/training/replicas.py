@@ -51,7 +51,7 @@ class PolicyRecipe:
     environment: dict[str, Any]
     registry_root: str
     run_id: str
-    probe: Probe
+    probe: Probe | None  # None: the run's publication gates no probe (bf16)
     threads: int = 1
 
 
@@ -126,13 +126,14 @@ def replica_main(conn: Connection, worker_id: str, recipe: PolicyRecipe,
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
 
 
-def _prove_held(slot: Any, version: str, probe: Probe) -> Proof:
+def _prove_held(slot: Any, version: str, probe: Probe | None) -> Proof:
     """The proof of what ``slot`` holds, without loading ``version`` (the ``stale`` fault)."""
     from closedloop.policy.weights import tensor_digests
 
-    logprobs = slot.generator.score(probe.ids, probe.sampler)
+    ids, logprobs = ((), []) if probe is None else (
+        probe.ids, slot.generator.score(probe.ids, probe.sampler))
     return Proof(slot.worker_id, version, slot.held_checksum().combined,
-                 tensor_digests(slot.adapter_tensors()), probe.ids, tuple(logprobs), 0.0)
+                 tensor_digests(slot.adapter_tensors()), ids, tuple(logprobs), 0.0)
 
 
 class Replica:

@@ -134,15 +134,17 @@ class RolloutWorker:
             for name, tensor in state.items():
                 own[name].copy_(tensor)
 
-    def prove(self, version: str, probe: Probe) -> Proof:
+    def prove(self, version: str, probe: Probe | None) -> Proof:
         """Hold ``version`` (``load``) and prove it from what the worker holds: its own
         checksum, each adapter tensor's checksum, and the fixed probe scored by its own
-        generator (``closedloop.training.weight_sync``)."""
+        generator (``closedloop.training.weight_sync``; ``None``: a run whose publication
+        gates no probe, docs/concepts.md, atomic weight publication)."""
         t0 = time.monotonic()
         held, digests = (self._hold(version) if self.version != version
                          else self._checksum.with_digests())
-        logprobs = self.generator.score(probe.ids, probe.sampler)
-        return Proof(self.worker_id, version, held.combined, digests, probe.ids,
+        ids, logprobs = ((), []) if probe is None else (
+            probe.ids, self.generator.score(probe.ids, probe.sampler))
+        return Proof(self.worker_id, version, held.combined, digests, ids,
                      tuple(logprobs), time.monotonic() - t0)
 
     def held_manifest(self) -> PolicyManifest:

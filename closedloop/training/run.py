@@ -296,7 +296,13 @@ def attach_roles(run: Run) -> None:
     run.worker = RolloutWorker(run.trainer.model, run.policy.tokenizer, ctx.registry, parts,
                                worker_id=GENERATOR_WORKER, seed=cfg.training.seed,
                                precision=precision)
-    run.probe = probe_of(run.policy.renderer, SamplerConfig(cfg.rollout.temperature))
+    # The probe is a gate where a tolerance holds it (float32). In bf16 the merged decode copy
+    # and the unmerged trainer formula round differently and no fixed tolerance separates a
+    # stale copy from rounding: no worker scores a probe, and publication rests on the
+    # workers' own hashes (docs/concepts.md, atomic weight publication).
+    gated = precision == "float32"
+    run.probe = (probe_of(run.policy.renderer, SamplerConfig(cfg.rollout.temperature))
+                 if gated else None)
     replicas = None
     if cfg.weight_sync.replicas:
         replicas = ReplicaPool(cfg.weight_sync.replicas, policy_recipe(run),
@@ -305,8 +311,8 @@ def attach_roles(run: Run) -> None:
     run.publisher = Publisher(
         ctx.registry, [GENERATOR_WORKER],
         lambda version, checksum: manifest_for(run, version, checksum), probe=run.probe,
-        reference=ProbeReference(run.trainer.model, ctx.registry, precision),
-        probe_tol=cfg.consistency.max_abs_tolerance if precision == "float32" else None,
+        reference=ProbeReference(run.trainer.model, ctx.registry, precision) if gated else None,
+        probe_tol=cfg.consistency.max_abs_tolerance if gated else None,
         replicas=replicas)
     from closedloop.training.scale_out import make_scale_out
 
@@ -323,7 +329,6 @@ def policy_recipe(run: Run) -> PolicyRecipe:
     env = cfg.environment
     sft = run.dir / "sft" / "adapter.pt"
     targets = tuple(t.lora_targets)
-    assert run.probe is not None
     return PolicyRecipe(
         model=cfg.model, dtype=t.dtype, precision=run.ctx.precision.precision,
         sft_adapter=str(sft) if cfg.sft.enabled else None,
@@ -363,7 +368,6 @@ def prove_and_acknowledge(run: Run, version: str) -> bool:
     """The in-process worker holds ``version`` and proves it to the publisher (``True`` once
     the version is active)."""
     _, worker, publisher = run.roles()
-    assert run.probe is not None
     return publisher.acknowledge(worker.prove(version, run.probe))
 
 

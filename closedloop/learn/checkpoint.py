@@ -11,7 +11,8 @@ output_policy_version commit atomically in the trainer checkpoint. One checkpoin
                                           extra, sha256 of every file, and its own hash
     <dir>/LATEST                          {"step", "path"}: a convenience pointer
 
-Write protocol: every file goes into ``<dir>/.tmp-step-000012-*`` and is fsynced,
+Write protocol: every file goes into ``<dir>/.tmp-step-000012-*`` and is fsynced (written
+around the page cache where the file system allows: ``closedloop.policy.uncached_write``),
 ``checkpoint.json`` last; the temporary directory is fsynced and renamed to ``step-000012``
 (the commit point: a rename is atomic), the parent is fsynced, then ``LATEST`` is replaced
 atomically and checkpoints older than the last ``keep_last`` are removed (renamed aside first).
@@ -59,8 +60,8 @@ from closedloop.policy.registry import (
     fsync_dir,
     state_dict_checksum,
     tensors_to_bytes,
-    write_durably,
 )
+from closedloop.policy.uncached_write import write_uncached
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -195,7 +196,7 @@ def _write_files(
     }
     hashes: dict[str, str] = {}
     for fname, data in payloads.items():
-        write_durably(tmp / fname, data)
+        write_uncached(tmp / fname, data)
         hashes[fname] = "sha256:" + hashlib.sha256(data).hexdigest()
         _pause()
     manifest: dict[str, Any] = {
@@ -209,7 +210,7 @@ def _write_files(
         "created_at": time.time(),
     }
     manifest["self_hash"] = content_hash(manifest)
-    write_durably(tmp / _MANIFEST, canonical_json(manifest).encode())
+    write_uncached(tmp / _MANIFEST, canonical_json(manifest).encode())
     _pause()
     return manifest
 

@@ -142,6 +142,48 @@ def test_keep_last_and_refusals(tmp_path: Path) -> None:
     assert load_latest(tmp_path / "missing") is None
 
 
+def test_payloads_of_every_size_load_exactly(tmp_path: Path) -> None:
+    """Files are written in whole blocks and cut to their length (``write_uncached``): longer
+    and shorter payloads than the last, and empty ones, load as saved."""
+    sizes = [5, 300, 2, 1100, 1, 0, 17]
+    for step, n in enumerate(sizes, start=1):
+        save_checkpoint(tmp_path, step, {"w": torch.arange(float(n + 1)) + step},
+                        {"s": "x" * n}, version_name(step), [f"g{i}" for i in range(n)],
+                        keep_last=2)
+        for kept in list_checkpoints(tmp_path):
+            ck = load_checkpoint(kept)
+            k = ck.step
+            assert torch.equal(ck.model_state["w"], torch.arange(float(sizes[k - 1] + 1)) + k)
+            assert ck.optimizer_state == {"s": "x" * sizes[k - 1]}
+            assert ck.consumed_group_ids == {f"g{i}" for i in range(sizes[k - 1])}
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000006", "step-000007"]
+
+
+def test_a_save_that_fails_midway_leaves_the_kept_ones(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from closedloop.learn import checkpoint as module
+
+    for step in range(1, 4):
+        _save(tmp_path, step, keep_last=2)
+    real, calls = module.write_uncached, []
+
+    def fail_second(path: Path, data: bytes) -> bool:
+        calls.append(path.name)
+        real(path, data)
+        if len(calls) == 2:
+            raise OSError("disk full")
+        return True
+
+    monkeypatch.setattr(module, "write_uncached", fail_second)
+    with pytest.raises(OSError):
+        _save(tmp_path, 4, keep_last=2)
+    monkeypatch.undo()
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000002", "step-000003"]
+    assert load_latest(tmp_path).step == 3  # type: ignore[union-attr]
+    _save(tmp_path, 4, keep_last=2)
+    assert load_latest(tmp_path).step == 4  # type: ignore[union-attr]
+
+
 @pytest.mark.parametrize(
     "damage", ["flip_model_byte", "drop_rng", "edit_manifest", "truncate_manifest"]
 )

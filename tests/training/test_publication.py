@@ -191,10 +191,15 @@ def test_a_replica_left_on_stale_weights_is_caught_and_fails_the_gate(
     assert gate.passed is False and "v0001/replica-0" in gate.evidence["ack_mismatches"]
 
 
+@pytest.mark.parametrize("flags", [None, "fpu sse2 avx2 avx512f amx_tile amx_bf16"],
+                         ids=["float32", "bf16"])
 def test_a_run_publishes_every_version_through_its_replica(tiny_agent_dir: Path,
-                                                           tmp_path: Path) -> None:
+                                                           tmp_path: Path, monkeypatch,
+                                                           flags: str | None) -> None:
     """A whole run (warm start included, which the replica merges as the run did) with one
-    replica: every version proved by both workers, the gate passes, latencies are recorded."""
+    replica: every version proved by both workers, the gate passes, latencies are recorded.
+    Float32 workers score the probe; bf16 ones prove by their hashes alone (docs/concepts.md,
+    atomic weight publication)."""
     import json
 
     from closedloop.config import parse_config
@@ -204,12 +209,19 @@ def test_a_run_publishes_every_version_through_its_replica(tiny_agent_dir: Path,
     data = short_run_config(tiny_agent_dir, 1)
     data["sft"] = {"enabled": True, "demonstrations": 2, "epochs": 1, "batch_size": 2}
     data["weight_sync"] = {"replicas": 1}
+    if flags is not None:  # a host with native bf16: `auto` resolves to bfloat16
+        monkeypatch.setenv("CLOSEDLOOP_CPU_FLAGS", flags)
     torch.set_num_threads(1)
     train(parse_config(data), tmp_path / "run")
     registry = PolicyRegistry(tmp_path / "run" / "registry")
+    precision = json.loads((tmp_path / "run" / "config.json").read_text())["precision"]
+    assert precision["precision"] == ("float32" if flags is None else "bfloat16")
     for version in registry.versions():
         acks = registry.require_all_worker_checksums(version, ["generator-0", "replica-0"])
-        assert all(a.digests_hash and a.probe_ids for a in acks.values())
+        assert all(a.digests_hash for a in acks.values())
+        assert all(bool(a.probe_ids) == (flags is None) for a in acks.values())
+        assert all((a.probe_max_abs_delta is not None) == (flags is None)
+                   for a in acks.values())
     assert registry.active() is not None and registry.active().version == "v0001"
     assert gate_weight_checksums(load_run(tmp_path / "run"), GateOptions()).passed
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text()

@@ -10,8 +10,8 @@ from the device.
 
 ``write_uncached`` copies ``data`` into one page-aligned buffer kept for the process (grown as
 needed), writes whole blocks, cuts the file to ``len(data)`` and fsyncs it. Where the OS or the
-file system refuses ``O_DIRECT`` (tmpfs, macOS) it writes through the page cache and fsyncs,
-as ``closedloop.policy.registry.write_durably`` does: the file is durable either way.
+file system refuses ``O_DIRECT`` (tmpfs, macOS) it writes through the page cache and fsyncs
+(``closedloop.policy.registry.write_durably``): the file is durable either way.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import mmap
 import os
 import threading
 from pathlib import Path
+
+from closedloop.policy.registry import write_durably
 
 __all__ = ["BLOCK", "write_uncached"]
 
@@ -48,7 +50,7 @@ def write_uncached(path: Path, data: bytes | memoryview) -> bool:
                     return True
             finally:
                 os.close(fd)
-    _write_buffered(path, data)
+    write_durably(path, bytes(data))
     return False
 
 
@@ -86,10 +88,3 @@ def _write_direct(fd: int, data: bytes | memoryview) -> bool:
     os.ftruncate(fd, n)
     os.fsync(fd)
     return True
-
-
-def _write_buffered(path: Path, data: bytes | memoryview) -> None:
-    with open(path, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())

@@ -30,7 +30,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from closedloop.errors import ReplicaError
-from closedloop.training.weight_sync import Probe, Proof
+from closedloop.training.weight_sync import Probe, Proof, score_probe
 
 __all__ = ["PolicyRecipe", "Replica", "ReplicaPool"]
 
@@ -130,10 +130,9 @@ def _prove_held(slot: Any, version: str, probe: Probe | None) -> Proof:
     """The proof of what ``slot`` holds, without loading ``version`` (the ``stale`` fault)."""
     from closedloop.policy.weights import tensor_digests
 
-    ids, logprobs = ((), []) if probe is None else (
-        probe.ids, slot.generator.score(probe.ids, probe.sampler))
+    ids, logprobs = score_probe(slot.generator, probe)
     return Proof(slot.worker_id, version, slot.held_checksum().combined,
-                 tensor_digests(slot.adapter_tensors()), ids, tuple(logprobs), 0.0)
+                 tensor_digests(slot.adapter_tensors()), ids, logprobs, 0.0)
 
 
 class Replica:

@@ -34,7 +34,7 @@ from closedloop.policy.registry import PolicyRegistry
 from closedloop.rollout.source import GeneratorSource
 from closedloop.rollout.verifier_step import RolloutGroup
 from closedloop.rollout.work_orders import GroupSpec
-from closedloop.training.weight_sync import Probe, Proof
+from closedloop.training.weight_sync import Probe, Proof, score_probe
 from closedloop.training.wiring import CollectorParts, make_collector
 
 __all__ = ["RolloutWorker", "WorkerParts", "inference_copy"]
@@ -142,10 +142,9 @@ class RolloutWorker:
         t0 = time.monotonic()
         held, digests = (self._hold(version) if self.version != version
                          else self._checksum.with_digests())
-        ids, logprobs = ((), []) if probe is None else (
-            probe.ids, self.generator.score(probe.ids, probe.sampler))
-        return Proof(self.worker_id, version, held.combined, digests, ids,
-                     tuple(logprobs), time.monotonic() - t0)
+        ids, logprobs = score_probe(self.generator, probe)
+        return Proof(self.worker_id, version, held.combined, digests, ids, logprobs,
+                     time.monotonic() - t0)
 
     def held_manifest(self) -> PolicyManifest:
         """The manifest of the version held (``RegistryError`` before the first ``load``)."""

@@ -27,7 +27,7 @@ from typing import Any
 
 from closedloop.contracts import SamplerConfig, content_hash
 
-__all__ = ["PROBE_TEXT", "Probe", "Proof", "probe_ids", "probe_of"]
+__all__ = ["PROBE_TEXT", "Probe", "Proof", "probe_ids", "probe_of", "score_probe"]
 
 PROBE_TEXT = "Probe: repair config.json."
 """The text whose ids the probe scores (any fixed text: only identity matters)."""
@@ -54,6 +54,16 @@ def probe_ids(renderer: Any, text: str = PROBE_TEXT) -> tuple[int, ...]:
     and its cost (one prefill in the worker, one trainer-path forward in the publisher) stays
     a few weight reads."""
     return tuple(renderer.encode(text))
+
+
+def score_probe(generator: Any, probe: Probe | None
+                ) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """A proof's probe fields: ``probe``'s ids and their log-probs scored by ``generator``
+    (``HFGenerator.score``), or empty where the run's publication gates no probe (``None``:
+    bf16 runs, docs/concepts.md, atomic weight publication)."""
+    if probe is None:
+        return (), ()
+    return probe.ids, tuple(generator.score(probe.ids, probe.sampler))
 
 
 def probe_of(renderer: Any, sampler: SamplerConfig) -> Probe:
